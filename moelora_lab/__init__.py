@@ -1,0 +1,18 @@
+"""moelora_lab: LoRA on Mixture-of-Experts layers, from the spec to fused Triton kernels.
+
+Importing the package first decides where kernels run (see ``_backend``), before any kernel
+module defines a ``@triton.jit`` function.
+"""
+from . import _backend  # noqa: F401  (must stay the first import)
+from ._backend import INTERPRET, describe, kernel_device
+from .config import PRESETS, LoRAShape, MoEShape, Problem, make_problem
+from .reference import moe_layer_reference, moe_layer_reference_loop, moe_lora_reference, moe_lora_reference_loop
+from .routing import Alignment, align_block_size, route, use_naive_assignment
+
+__all__ = [
+    "INTERPRET", "describe", "kernel_device",
+    "PRESETS", "LoRAShape", "MoEShape", "Problem", "make_problem",
+    "moe_layer_reference", "moe_layer_reference_loop", "moe_lora_reference", "moe_lora_reference_loop",
+    "Alignment", "align_block_size", "route", "use_naive_assignment",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,54 @@
+"""Where the Triton kernels run: the GPU, or the Triton interpreter on the CPU.
+
+This is the one place that decides. It must run before any ``@triton.jit`` function is defined,
+because Triton reads ``TRITON_INTERPRET`` when a kernel is decorated; ``moelora_lab/__init__.py``
+imports it first for that reason.
+
+    MOELORA_INTERPRET=1   always use the interpreter (kernels run on CPU tensors, slowly)
+    MOELORA_INTERPRET=0   never (kernels need a CUDA GPU)
+    unset                 the interpreter exactly when no CUDA GPU is visible
+
+An explicit ``TRITON_INTERPRET`` set by the user is respected when MOELORA_INTERPRET is unset.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+_CHOICE = os.environ.get("MOELORA_INTERPRET", "").strip()
+if _CHOICE not in ("", "0", "1"):
+    raise ValueError(f"MOELORA_INTERPRET: {_CHOICE!r} is not accepted; use 0 (GPU), 1 (interpreter) or leave it unset")
+
+if _CHOICE == "1" or (_CHOICE == "" and "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available()):
+    os.environ["TRITON_INTERPRET"] = "1"
+elif _CHOICE == "0":
+    os.environ["TRITON_INTERPRET"] = "0"
+
+INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _check_numpy() -> None:
+    import numpy as np
+
+    major, minor = (int(v) for v in np.__version__.split(".")[:2])
+    if INTERPRET and (major, minor) >= (2, 4):
+        warnings.warn(
+            f"numpy {np.__version__} breaks the Triton 3.6 interpreter (loops with a runtime bound fail); "
+            "install numpy<2.4 to run the kernels on the CPU", RuntimeWarning, stacklevel=2)
+
+
+_check_numpy()
+
+
+def kernel_device() -> torch.device:
+    """The device kernel inputs should live on: CUDA when kernels compile, else the CPU."""
+    return torch.device("cpu") if INTERPRET else torch.device("cuda")
+
+
+def describe() -> str:
+    """One line saying where kernels run, for notebooks and benchmark provenance."""
+    if INTERPRET:
+        return "Triton interpreter on the CPU (correctness only: timings here are not GPU timings)"
+    return f"CUDA: {torch.cuda.get_device_name()}"

@@ -1,0 +1,96 @@
+"""Input validation shared by every public entry point.
+
+Errors are for users: each message names the argument, what was given and what is accepted.
+Value checks that read tensor contents (id ranges) synchronise with the device, so they are
+skipped while a CUDA graph is being captured.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def check_tensor(
+    name: str,
+    value,
+    *,
+    ndim: int | Sequence[int] | None = None,
+    dtypes: Sequence[torch.dtype] | None = None,
+    shape: Sequence[int | None] | None = None,
+    legend: str | None = None,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """Check that ``value`` is a tensor of the given rank, dtype, shape and device.
+
+    ``shape`` entries of ``None`` match any size. ``legend`` is the shape in words
+    (e.g. ``"[M, k]"``) and is quoted in the message.
+    """
+    want = f" {legend}" if legend else ""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor{want}, got {type(value).__name__}")
+    if ndim is not None:
+        allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
+        if value.dim() not in allowed:
+            dims = " or ".join(f"{d}-D" for d in allowed)
+            raise ValueError(f"{name}: expected a {dims} tensor{want}, got shape {tuple(value.shape)}")
+    if dtypes is not None and value.dtype not in dtypes:
+        raise TypeError(f"{name}: dtype {value.dtype} is not supported; use one of {_dtype_names(dtypes)}")
+    if shape is not None:
+        if len(shape) != value.dim() or any(s is not None and s != v for s, v in zip(shape, value.shape)):
+            expected = tuple("*" if s is None else s for s in shape)
+            raise ValueError(f"{name}: expected shape {expected}{want}, got {tuple(value.shape)}")
+    if device is not None and value.device != torch.device(device):
+        raise ValueError(f"{name}: is on {value.device}, but the other inputs are on {device}; move it with .to({str(device)!r})")
+    return value
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def check_range(name: str, value: torch.Tensor, low: int, high: int, what: str = "") -> None:
+    """Check ``low <= value < high`` elementwise (skipped under CUDA graph capture)."""
+    if value.numel() == 0 or _capturing():
+        return
+    lo, hi = int(value.min()), int(value.max())
+    if lo < low or hi >= high:
+        bad = lo if lo < low else hi
+        extra = f" ({what})" if what else ""
+        raise ValueError(f"{name}: value {bad} is out of range; accepted values are {low} .. {high - 1}{extra}")
+
+
+def check_int(name: str, value, *, low: int | None = None, high: int | None = None) -> int:
+    """Check that ``value`` is an int with ``low <= value <= high``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{name}: must be >= {low}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name}: must be <= {high}, got {value}")
+    return value
+
+
+def check_choice(name: str, value, choices: Iterable) -> None:
+    choices = tuple(choices)
+    if value not in choices:
+        raise ValueError(f"{name}: {value!r} is not one of {', '.join(repr(c) for c in choices)}")
+
+
+def check_same_device(**tensors: torch.Tensor) -> torch.device:
+    """Check that all given tensors live on one device and return it."""
+    items = [(n, t) for n, t in tensors.items() if t is not None]
+    first_name, first = items[0]
+    for name, t in items[1:]:
+        if t.device != first.device:
+            raise ValueError(
+                f"{name}: is on {t.device} but {first_name} is on {first.device}; all inputs must share one device"
+            )
+    return first.device

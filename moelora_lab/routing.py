@@ -1,0 +1,152 @@
+"""Routing (softmax, top-k) and per-adapter block alignment of (token, slot) pairs.
+
+Shape legend: M tokens, E experts, k top-k, L adapters, P padded pairs per adapter row,
+pair p = t*k + j (token t, slot j).
+
+Block alignment groups the pairs of each adapter by expert so one program can multiply a block
+of BLOCK_M pairs by one (adapter, expert) weight. For adapter row l:
+    sorted_token_ids[l, :]     pair ids, experts ascending, pairs ascending inside an expert
+                               segment, each segment padded to a multiple of block_size with the
+                               sentinel M*k (so ``id < M*k`` is the validity mask); P is a
+                               multiple of block_size and depends only on (M, k, E, block_size)
+    expert_ids[l, b]           expert of block b, -1 past the used blocks
+    num_tokens_post_padded[l]  padded length of the row (a multiple of block_size)
+Rows of adapters no token uses are all sentinel / -1 / 0. Everything runs as tensor ops on the
+inputs' device, without host synchronisation, so it can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ._checks import INDEX_DTYPES, check_int, check_range, check_same_device, check_tensor
+
+SPARSITY_FACTOR = 8  # naive assignment when pairs * 8 <= E * L (vLLM's rule)
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True):
+    """Softmax over experts, keep the top-k; returns (topk_weights [M, k] fp32, topk_ids [M, k] int32)."""
+    check_tensor("router_logits", router_logits, ndim=2, legend="[M, E]",
+                 dtypes=(torch.float32, torch.float16, torch.bfloat16))
+    check_int("top_k", top_k, low=1, high=router_logits.shape[1])
+    probs = torch.softmax(router_logits.float(), dim=-1)  # [M, E]
+    weights, ids = torch.topk(probs, top_k, dim=-1)       # [M, k], largest first
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+class Alignment(NamedTuple):
+    """Routing metadata shared by the LoRA kernels (and by w13 and w2 of one layer)."""
+
+    sorted_token_ids: torch.Tensor  # [L, P] int32
+    expert_ids: torch.Tensor  # [L, P // block_size] int32
+    num_tokens_post_padded: torch.Tensor  # [L] int32
+
+    @property
+    def block_size(self) -> int:
+        return self.sorted_token_ids.shape[1] // max(self.expert_ids.shape[1], 1)
+
+    def padding_waste(self, num_pairs: int) -> float:
+        """Fraction of padded slots that hold no pair (0 when nothing is padded)."""
+        total = int(self.num_tokens_post_padded.sum())
+        valid = int((self.sorted_token_ids < num_pairs).sum())
+        return 0.0 if total == 0 else 1.0 - valid / total
+
+
+def padded_row_length(num_pairs: int, num_experts: int, block_size: int) -> int:
+    """P: the longest any adapter row can be, rounded up to a block.
+
+    An adapter holds at most ``num_pairs`` pairs spread over at most min(E, num_pairs) experts,
+    each segment wasting at most block_size - 1 slots.
+    """
+    worst = num_pairs + min(num_experts, num_pairs) * (block_size - 1)
+    return max(block_size, -(-worst // block_size) * block_size)
+
+
+def use_naive_assignment(num_pairs: int, num_experts: int, num_loras: int) -> bool:
+    """The naive rule: one program per pair (no alignment) when pairs are few next to E*L.
+
+    Sorting pays when many pairs share an (adapter, expert) weight; with num_pairs * 8 <= E * L
+    almost every pair has its own weight, so sorting would only add padding and a launch.
+    """
+    return num_pairs * SPARSITY_FACTOR <= num_experts * num_loras
+
+
+def check_routing(topk_ids, token_lora, num_experts: int, num_loras: int, topk_weights=None) -> None:
+    """Validate the routing tensors shared by every public op."""
+    check_tensor("topk_ids", topk_ids, ndim=2, dtypes=INDEX_DTYPES, legend="[M, k]")
+    M = topk_ids.shape[0]
+    check_tensor("token_lora", token_lora, dtypes=INDEX_DTYPES, shape=(M,), legend="[M] (one adapter slot per token)")
+    check_same_device(topk_ids=topk_ids, token_lora=token_lora, topk_weights=topk_weights)
+    if topk_weights is not None:
+        check_tensor("topk_weights", topk_weights, dtypes=(torch.float32, torch.float16, torch.bfloat16),
+                     shape=tuple(topk_ids.shape), legend="[M, k] (same shape as topk_ids)")
+    check_range("topk_ids", topk_ids, 0, num_experts, f"experts of a {num_experts}-expert layer")
+    check_range("token_lora", token_lora, -1, num_loras, f"-1 = no adapter, else a slot of {num_loras}")
+
+
+def align_block_size(topk_ids: torch.Tensor, token_lora: torch.Tensor, num_experts: int, num_loras: int,
+                     block_size: int) -> Alignment:
+    """Group each adapter's pairs by expert and pad every expert segment to ``block_size``."""
+    check_int("num_experts", num_experts, low=1)
+    check_int("num_loras", num_loras, low=1)
+    check_int("block_size", block_size, low=1)
+    check_routing(topk_ids, token_lora, num_experts, num_loras)
+    M, k = topk_ids.shape
+    E, L, bs, dev = num_experts, num_loras, block_size, topk_ids.device
+    num_pairs = M * k
+    P = padded_row_length(num_pairs, E, bs)
+
+    pair_lora = token_lora.long().repeat_interleave(k)                      # [M*k]
+    pair_expert = topk_ids.reshape(-1).long()                               # [M*k]
+    has = pair_lora >= 0
+    key = torch.where(has, pair_lora * E + pair_expert, torch.full_like(pair_lora, L * E))
+    order = torch.sort(key, stable=True).indices                            # pairs by (adapter, expert, p)
+    skey = key[order]
+
+    counts = torch.zeros(L * E + 1, dtype=torch.long, device=dev).scatter_add_(0, key, torch.ones_like(key))
+    counts = counts[: L * E].view(L, E)                                     # pairs per (adapter, expert)
+    padded = (counts + bs - 1) // bs * bs                                   # [L, E]
+    seg_end = padded.cumsum(dim=1)                                          # [L, E] end of each segment
+    seg_start = seg_end - padded
+    key_start = torch.cumsum(counts.view(-1), 0) - counts.view(-1)          # first sorted index of each key
+
+    valid = skey < L * E
+    skey_v = torch.where(valid, skey, torch.zeros_like(skey))
+    rank_in_seg = torch.arange(num_pairs, device=dev) - key_start[skey_v]
+    pos = seg_start.view(-1)[skey_v] + rank_in_seg                          # slot inside the adapter row
+    flat = torch.where(valid, (skey_v // E) * P + pos, torch.full_like(pos, L * P))
+    sorted_ids = torch.full((L * P + 1,), num_pairs, dtype=torch.int32, device=dev)
+    sorted_ids.scatter_(0, flat, order.to(torch.int32))
+    sorted_ids = sorted_ids[: L * P].view(L, P)
+
+    total = seg_end[:, -1]                                                  # [L]
+    block_start = torch.arange(P // bs, device=dev) * bs                    # [P // bs]
+    owner = torch.searchsorted(seg_end.contiguous(), block_start.expand(L, -1).contiguous(), right=True)
+    expert_ids = torch.where(block_start[None, :] < total[:, None], owner, torch.full_like(owner, -1))
+    return Alignment(sorted_ids, expert_ids.to(torch.int32), total.to(torch.int32))
+
+
+def align_block_size_loop(topk_ids, token_lora, num_experts: int, num_loras: int, block_size: int) -> Alignment:
+    """The same metadata with plain Python loops: slow, but readable line by line (used in tests)."""
+    M, k = topk_ids.shape
+    P = padded_row_length(M * k, num_experts, block_size)
+    sorted_ids = torch.full((num_loras, P), M * k, dtype=torch.int32)
+    expert_ids = torch.full((num_loras, P // block_size), -1, dtype=torch.int32)
+    ntpp = torch.zeros(num_loras, dtype=torch.int32)
+    ids, lora = topk_ids.cpu().tolist(), token_lora.cpu().tolist()
+    for l in range(num_loras):
+        cursor = 0
+        for e in range(num_experts):
+            pairs = [t * k + j for t in range(M) for j in range(k) if lora[t] == l and ids[t][j] == e]
+            if not pairs:
+                continue
+            for i, p in enumerate(pairs):
+                sorted_ids[l, cursor + i] = p
+            padded = -(-len(pairs) // block_size) * block_size
+            expert_ids[l, cursor // block_size:(cursor + padded) // block_size] = e
+            cursor += padded
+        ntpp[l] = cursor
+    return Alignment(sorted_ids, expert_ids, ntpp)
