@@ -150,3 +150,73 @@ def align_block_size_loop(topk_ids, token_lora, num_experts: int, num_loras: int
             cursor += padded
         ntpp[l] = cursor
     return Alignment(sorted_ids, expert_ids, ntpp)
+
+
+class BlockList(NamedTuple):
+    """All adapters' blocks in one flat list: what the Triton kernels consume.
+
+    The same grouping as :class:`Alignment`, with every (adapter, expert) segment laid end to end
+    ("virtual experts" v = l*E + e), so the grid is sized from the real work rather than from
+    L rows of worst-case padding:
+        sorted_pairs [B * block_size] int32  pair ids, sentinel M*k in padding and unused blocks
+        block_lora   [B] int32               adapter of each block, -1 for unused blocks
+        block_expert [B] int32               expert of each block, -1 for unused blocks
+    B = floor(M*k / block_size) + min(L*E, M*k) bounds the blocks any routing can need and depends
+    only on shapes, so the grid stays fixed under CUDA-graph capture.
+    """
+
+    sorted_pairs: torch.Tensor
+    block_lora: torch.Tensor
+    block_expert: torch.Tensor
+
+    @property
+    def block_size(self) -> int:
+        return self.sorted_pairs.numel() // max(self.block_lora.numel(), 1)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_lora.numel()
+
+
+def max_blocks(num_pairs: int, num_experts: int, num_loras: int, block_size: int) -> int:
+    """Upper bound on the blocks of a BlockList: full blocks plus one partial block per group."""
+    return max(1, num_pairs // block_size + min(num_experts * num_loras, num_pairs))
+
+
+def block_list(topk_ids: torch.Tensor, token_lora: torch.Tensor, num_experts: int, num_loras: int,
+               block_size: int) -> BlockList:
+    """Group pairs by (adapter, expert), pad each group to ``block_size`` and list the blocks."""
+    check_int("num_experts", num_experts, low=1)
+    check_int("num_loras", num_loras, low=1)
+    check_int("block_size", block_size, low=1)
+    check_routing(topk_ids, token_lora, num_experts, num_loras)
+    M, k = topk_ids.shape
+    E, L, bs, dev = num_experts, num_loras, block_size, topk_ids.device
+    n = M * k
+    B = max_blocks(n, E, L, bs)
+
+    pair_lora = token_lora.long().repeat_interleave(k)                      # [M*k]
+    key = torch.where(pair_lora >= 0, pair_lora * E + topk_ids.reshape(-1).long(),
+                      torch.full_like(pair_lora, L * E))                    # virtual expert, L*E = none
+    order = torch.sort(key, stable=True).indices
+    skey = key[order]
+    counts = torch.zeros(L * E + 1, dtype=torch.long, device=dev).scatter_add_(0, key, torch.ones_like(key))
+    counts = counts[: L * E]                                                # [L*E]
+    blocks = (counts + bs - 1) // bs                                        # blocks per group
+    block_end = blocks.cumsum(0)                                            # [L*E]
+    key_start = counts.cumsum(0) - counts                                   # first sorted index of each group
+
+    valid = skey < L * E
+    skey_v = torch.where(valid, skey, torch.zeros_like(skey))
+    pos = (block_end - blocks)[skey_v] * bs + torch.arange(n, device=dev) - key_start[skey_v]
+    pos = torch.where(valid, pos, torch.full_like(pos, B * bs))
+    pairs = torch.full((B * bs + 1,), n, dtype=torch.int32, device=dev)
+    pairs.scatter_(0, pos, order.to(torch.int32))
+
+    b = torch.arange(B, device=dev)
+    group = torch.searchsorted(block_end, b, right=True)                    # [B] virtual expert of block
+    used = group < L * E
+    group = torch.where(used, group, torch.zeros_like(group))
+    none = torch.full_like(group, -1)
+    return BlockList(pairs[: B * bs], torch.where(used, group // E, none).to(torch.int32),
+                     torch.where(used, group % E, none).to(torch.int32))

@@ -1,0 +1,99 @@
+"""Tile configs and the ``path="auto"`` rule.
+
+Shape legend: M tokens, E experts, k top-k, L adapters, r rank, K in, N out, S slices.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from ._backend import INTERPRET
+from ._checks import check_int
+from .routing import use_naive_assignment
+
+PATHS = ("naive", "two_kernel", "one_shot", "small_batch", "auto")
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tiles of one launch. ``block_r=None`` picks the rank tile from r and ``max_block_r``."""
+
+    block_m: int = 16           # pairs per block (the alignment block size); >= 16 for tl.dot
+    block_n: int = 64
+    block_k: int = 64
+    block_r: int | None = None
+    max_block_r: int = 128      # widest fp32 [block_m, block_r] tile kept in registers
+    n_chunks: int = 1           # programs sharing one slice's N columns (one-shot, small-batch)
+    num_warps: int = 4
+    num_stages: int = 3
+    programs: int | None = None  # small-batch persistent grid size (None: 2 per SM)
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k", "max_block_r"):
+            v = check_int(f"KernelConfig.{name}", getattr(self, name), low=16)
+            if v & (v - 1):
+                raise ValueError(f"KernelConfig.{name}: must be a power of two >= 16, got {v}")
+        if self.block_r is not None:
+            check_int("KernelConfig.block_r", self.block_r, low=16)
+            if self.block_r & (self.block_r - 1):
+                raise ValueError(f"KernelConfig.block_r: must be a power of two >= 16, got {self.block_r}")
+        check_int("KernelConfig.n_chunks", self.n_chunks, low=1)
+        check_int("KernelConfig.num_warps", self.num_warps, low=1)
+        check_int("KernelConfig.num_stages", self.num_stages, low=1)
+
+    def rank_tiling(self, rank: int) -> tuple[int, int]:
+        """(BLOCK_R, RANK_TILES): the fewest register tiles that cover r, each a power of two >= 16."""
+        if self.block_r is not None:
+            return self.block_r, -(-rank // self.block_r)
+        tiles = -(-rank // self.max_block_r)
+        block_r = max(16, next_pow2(-(-rank // tiles)))
+        return block_r, -(-rank // block_r)
+
+    def replace(self, **changes) -> "KernelConfig":
+        return replace(self, **changes)
+
+
+CONFIGS: dict[str, KernelConfig] = {
+    # GPU tiles for decode-sized and prefill-sized work
+    "decode": KernelConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3),
+    "prefill": KernelConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3),
+    # the Triton interpreter costs ~4 ms per program and loop step, whatever the tile: go big
+    "interpreter": KernelConfig(block_m=32, block_n=256, block_k=256, max_block_r=512, num_warps=1, num_stages=1),
+}
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 2
+
+
+def choose_path(num_pairs: int, num_experts: int, num_loras: int, rank: int) -> str:
+    """The ``auto`` rule: per-pair GEMVs when pairs are few next to the (adapter, expert) weights,
+    otherwise the fused one-shot kernel over sorted blocks. Never the two-kernel path: it moves
+    strictly more bytes for the same math."""
+    if use_naive_assignment(num_pairs, num_experts, num_loras):
+        return "small_batch"
+    return "one_shot"
+
+
+def choose_config(path: str, num_pairs: int, num_groups: int, n_out: int, num_slices: int,
+                  device: torch.device) -> KernelConfig:
+    """Tiles for ``path`` given the pairs and the number of (adapter, expert) groups they touch."""
+    if INTERPRET:
+        return CONFIGS["interpreter"]
+    per_group = num_pairs / max(num_groups, 1)
+    base = CONFIGS["decode"] if per_group <= 24 else CONFIGS["prefill"]
+    block_m = 16 if per_group <= 24 else (32 if per_group <= 48 else 64)
+    blocks = num_pairs // block_m + min(num_groups, num_pairs)
+    sms = num_sms(device)
+    n_tiles = -(-n_out // base.block_n)
+    n_chunks = 1
+    if blocks * num_slices < 2 * sms:                   # too few programs: split N, each recomputes its shrink
+        n_chunks = max(1, min(n_tiles, 4, -(-2 * sms // max(blocks * num_slices, 1))))
+    return base.replace(block_m=block_m, n_chunks=n_chunks)

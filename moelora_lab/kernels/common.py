@@ -1,0 +1,31 @@
+"""Small device helpers shared by the kernels.
+
+Shape legend: M tokens, k top-k, L adapters, E experts, r rank, K in, N out, S slices, BM pairs per block.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def slice_pointers(slice_id, a0_ptr, a1_ptr, b0_ptr, b1_ptr):
+    """A and B base pointers of slice 0 or 1 (the launcher passes slice 0 twice when S == 1)."""
+    if slice_id == 0:
+        a_ptr = a0_ptr
+        b_ptr = b0_ptr
+    else:
+        a_ptr = a1_ptr
+        b_ptr = b1_ptr
+    return a_ptr, b_ptr
+
+
+@triton.jit
+def block_rows(sorted_pairs_ptr, block, num_pairs, top_k, BLOCK_M: tl.constexpr, TOKEN_ROWS: tl.constexpr):
+    """The BM pair ids of one block, their validity mask, and the x row each one reads."""
+    pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))   # [BM] int32
+    valid = pairs < num_pairs
+    pairs = tl.where(valid, pairs, 0)
+    if TOKEN_ROWS:
+        x_rows = pairs // top_k      # w13: every slot of a token reads the token's row
+    else:
+        x_rows = pairs               # w2: one input row per pair
+    return pairs, valid, x_rows

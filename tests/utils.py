@@ -1,0 +1,27 @@
+"""Helpers shared by the tests: tolerances, poisoned buffers, small problems."""
+import torch
+
+from moelora_lab import LoRAShape, MoEShape, make_problem
+
+TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2}
+
+
+def assert_close(out, ref, dtype):
+    """Relative check scaled by the reference's magnitude; NaN (an unwritten element) never passes."""
+    out = out.float()
+    assert not torch.isnan(out).any(), f"{int(torch.isnan(out).sum())} output elements were never written"
+    tol = TOL[dtype]
+    scale = max(float(ref.abs().max()), 1e-3)
+    torch.testing.assert_close(out, ref.float(), rtol=tol, atol=tol * scale)
+
+
+def poisoned(shape, dtype, device):
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def lora_case(M, *, hidden=48, inter=40, experts=8, top_k=2, loras=3, rank=8, dtype=torch.float32,
+              device="cpu", seed=0, **kw):
+    """A small problem whose sizes are not multiples of 16 by default (K=48 vs BLOCK_K=32, N=40)."""
+    shape = MoEShape(hidden, inter, experts, top_k, "test")
+    return make_problem(shape, LoRAShape(loras, rank), M, dtype=dtype, device=device, seed=seed,
+                        with_base=False, **kw)
