@@ -142,6 +142,32 @@ def draw_adapters(num_draws: int, num_loras: int, popularity: str, gen: torch.Ge
     raise ValueError(f"adapter_popularity: {popularity!r} is not one of {', '.join(POPULARITIES)}")
 
 
+def make_routing(shape: MoEShape, num_loras: int, num_tokens: int, *, seed: int = 0,
+                 adapter_popularity: str = "uniform", no_adapter_fraction: float = 0.0, expert_skew: float = 0.0,
+                 num_sequences: int | None = None, renormalize: bool = True) -> dict:
+    """Router logits, top-k and the token -> adapter map of one batch (CPU tensors; knobs as in make_problem)."""
+    check_int("num_tokens", num_tokens, low=1)
+    if not 0.0 <= no_adapter_fraction <= 1.0:
+        raise ValueError(f"no_adapter_fraction: must be in [0, 1], got {no_adapter_fraction}")
+    if expert_skew < 0:
+        raise ValueError(f"expert_skew: must be >= 0 (0 = uniform routing), got {expert_skew}")
+    num_sequences = num_tokens if num_sequences is None else check_int("num_sequences", num_sequences, low=1)
+    num_sequences = min(num_sequences, num_tokens)
+    E = shape.num_experts
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_tokens, E, generator=gen)
+    if expert_skew > 0:
+        order = torch.randperm(E, generator=gen)
+        logits = logits - expert_skew * torch.log1p(order.to(torch.float32))
+    topk_weights, topk_ids = route(logits, shape.top_k, renormalize=renormalize)
+    seq_lora = draw_adapters(num_sequences, num_loras, adapter_popularity, gen)
+    no_adapter = torch.rand(num_sequences, generator=gen) < no_adapter_fraction
+    seq_lora = torch.where(no_adapter, torch.full_like(seq_lora, -1), seq_lora)
+    seq_of_token = torch.arange(num_tokens) * num_sequences // num_tokens
+    return dict(router_logits=logits, topk_weights=topk_weights, topk_ids=topk_ids,
+                token_lora=seq_lora[seq_of_token].to(torch.int32))
+
+
 def _lora_pair(gen, num_loras, num_experts, rank, k_in, n_out, ranks, dtype, device):
     """A [L, E, r, K] ~ N(0, 1/K) and B [L, E, N, r] ~ N(0, 1/r); rows/cols past an adapter's rank are 0."""
     a = torch.randn(num_loras, num_experts, rank, k_in, generator=gen) / math.sqrt(k_in)
@@ -192,12 +218,6 @@ def make_problem(
     check_int("num_tokens", num_tokens, low=1)
     if dtype not in FLOAT_DTYPES:
         raise TypeError(f"dtype: {dtype} is not supported; use torch.float32, torch.float16 or torch.bfloat16")
-    if not 0.0 <= no_adapter_fraction <= 1.0:
-        raise ValueError(f"no_adapter_fraction: must be in [0, 1], got {no_adapter_fraction}")
-    if expert_skew < 0:
-        raise ValueError(f"expert_skew: must be >= 0 (0 = uniform routing), got {expert_skew}")
-    num_sequences = num_tokens if num_sequences is None else check_int("num_sequences", num_sequences, low=1)
-    num_sequences = min(num_sequences, num_tokens)
     L, r, E, H, I = lora.num_loras, lora.rank, shape.num_experts, shape.hidden, shape.intermediate
     ranks = tuple(adapter_ranks) if adapter_ranks is not None else (r,) * L
     if len(ranks) != L or any(not isinstance(v, int) or not 0 <= v <= r for v in ranks):
@@ -205,18 +225,9 @@ def make_problem(
 
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(num_tokens, H, generator=gen)
-    logits = torch.randn(num_tokens, E, generator=gen)
-    if expert_skew > 0:
-        order = torch.randperm(E, generator=gen)
-        logits = logits - expert_skew * torch.log1p(order.to(torch.float32))
-    topk_weights, topk_ids = route(logits, shape.top_k, renormalize=renormalize)
-
-    seq_lora = draw_adapters(num_sequences, L, adapter_popularity, gen)
-    no_adapter = torch.rand(num_sequences, generator=gen) < no_adapter_fraction
-    seq_lora = torch.where(no_adapter, torch.full_like(seq_lora, -1), seq_lora)
-    seq_of_token = torch.arange(num_tokens) * num_sequences // num_tokens
-    token_lora = seq_lora[seq_of_token].to(torch.int32)
-
+    routing = make_routing(shape, L, num_tokens, seed=seed + 1, adapter_popularity=adapter_popularity,
+                           no_adapter_fraction=no_adapter_fraction, expert_skew=expert_skew,
+                           num_sequences=num_sequences, renormalize=renormalize)
     w13_a, w13_b = zip(*(_lora_pair(gen, L, E, r, H, I, ranks, dtype, device) for _ in range(2)))
     w2_a, w2_b = zip(_lora_pair(gen, L, E, r, I, H, ranks, dtype, device))
     w13 = w2 = None
@@ -225,8 +236,7 @@ def make_problem(
         w2 = (torch.randn(E, H, I, generator=gen) / math.sqrt(I)).to(device=device, dtype=dtype)
     return Problem(
         shape=shape, lora=lora,
-        x=x.to(device=device, dtype=dtype), router_logits=logits.to(device),
-        topk_weights=topk_weights.to(device), topk_ids=topk_ids.to(device), token_lora=token_lora.to(device),
+        x=x.to(device=device, dtype=dtype), **{name: t.to(device) for name, t in routing.items()},
         w13_lora_a=tuple(w13_a), w13_lora_b=tuple(w13_b), w2_lora_a=tuple(w2_a), w2_lora_b=tuple(w2_b),
         w13=w13, w2=w2, adapter_ranks=ranks,
     )

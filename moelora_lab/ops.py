@@ -47,10 +47,11 @@ def _launch_one_shot(x, lora_a, lora_b, out2d, weights, blocks, cfg, *, top_k, t
     block_r, rank_tiles = cfg.rank_tiling(R)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     a, b = lora_a[0], lora_b[0]
+    compiled = None
     for s0 in range(0, len(lora_a), 2):
         ns = min(2, len(lora_a) - s0)
         grid = (blocks.num_blocks, ns * cfg.n_chunks)
-        one_shot_kernel[grid](
+        compiled = one_shot_kernel[grid](
             x, *_slices(lora_a, s0), *_slices(lora_b, s0), out2d, weights,
             blocks.sorted_pairs, blocks.block_lora, blocks.block_expert,
             out2d.shape[0], top_k, K, N, R, s0 * N,
@@ -58,6 +59,7 @@ def _launch_one_shot(x, lora_a, lora_b, out2d, weights, blocks, cfg, *, top_k, t
             N_CHUNKS=cfg.n_chunks, BLOCK_M=blocks.block_size, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             BLOCK_R=block_r, RANK_TILES=rank_tiles, TOKEN_ROWS=token_rows, MUL_ROUTED_WEIGHT=mul,
             ADD_INPUTS=add, DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return compiled   # the compiled kernel on a GPU (registers, spills), for profile.report
 
 
 def _launch_two_kernel(x, lora_a, lora_b, out2d, weights, blocks, cfg, *, top_k, token_rows, mul, add):
@@ -146,13 +148,15 @@ def moe_lora(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, *, path: str
         check_tensor("enabled", enabled, dtypes=(torch.bool,), shape=(L,), legend="[L] bool, one flag per slot")
         token_lora = torch.where(token_lora >= 0, token_lora, 0)
         token_lora = torch.where(enabled.to(x.device)[token_lora.long()] & (token_lora >= 0), token_lora, -1)
+    num_pairs = M * k
+    if alignment is not None:
+        block_m = _check_blocks(alignment, num_pairs, x.device)
     if output is None:
         output = torch.zeros(M, k, S * N, dtype=x.dtype, device=x.device)
     else:
         _check_output(output, M, k, S * N, x)
     if M == 0:
         return output
-    num_pairs = M * k
     token_rows = not (x.shape[0] == num_pairs and k > 1)
     if path == "auto":
         path = choose_path(num_pairs, E, L, R)
@@ -173,8 +177,6 @@ def moe_lora(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, *, path: str
                  add_inputs=add_inputs, alignment=alignment, config=config)
         return output.copy_(out32)
 
-    if alignment is not None:
-        block_m = _check_blocks(alignment, num_pairs, x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
     out2d = output.view(num_pairs, S * N)
     kw = dict(top_k=k, token_rows=token_rows, mul=mul_routed_weight, add=add_inputs)

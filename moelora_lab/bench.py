@@ -1,0 +1,209 @@
+"""Benchmark CLI: ``python -m moelora_lab.bench kernels``.
+
+Sweeps paths x presets x {w13, w2} x M x rank on a CUDA GPU, timing each op the way
+``profile.timing`` describes (CUDA graph, L2 flushed, median and 20/80 percentiles), and writes a
+CSV with provenance plus plots drawn from that CSV. Achieved bandwidth is the byte model's
+minimum bytes for the path over the time, next to a copy ceiling measured in the same run.
+
+Shape legend: M tokens, E experts, k top-k, L adapters, r rank, K in, N out, S slices.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+DEFAULT_OUT = Path(__file__).parent / "data" / "h200"
+KERNEL_PATHS = ("two_kernel", "one_shot", "small_batch", "auto")
+
+
+def _lora_weights(shape, op, num_loras, rank, dtype, gen):
+    """Random A [L, E, r, K] and B [L, E, N, r] for the w13 (2 slices) or w2 (1 slice) op, on the GPU."""
+    H, I, E = shape.hidden, shape.intermediate, shape.num_experts
+    k_in, n_out, slices = (H, I, 2) if op == "w13" else (I, H, 1)
+    a = [torch.randn(num_loras, E, rank, k_in, device="cuda", generator=gen, dtype=dtype) / k_in ** 0.5
+         for _ in range(slices)]
+    b = [torch.randn(num_loras, E, n_out, rank, device="cuda", generator=gen, dtype=dtype) / rank ** 0.5
+         for _ in range(slices)]
+    return a, b
+
+
+def _kernel_cases(args):
+    from .config import MoEShape
+    for preset in args.presets:
+        shape = MoEShape.from_name(preset)
+        for rank in args.ranks:
+            for op in args.ops:
+                yield shape, rank, op
+
+
+def run_kernels(args) -> list[dict]:
+    from tqdm.auto import tqdm
+
+    from .config import make_routing
+    from .dispatch import choose_config, choose_path
+    from .ops import moe_lora
+    from .profile.timing import copy_bandwidth, provenance, time_cuda
+    from .profile.traffic import count_workload, lora_op_traffic
+    from .routing import block_list
+
+    dtype = getattr(torch, args.dtype)
+    prov = provenance("python -m moelora_lab.bench " + " ".join(shlex.quote(a) for a in args.argv))
+    copy_bps = copy_bandwidth()
+    print(f"{prov['gpu']}: copy ceiling {copy_bps / 1e12:.3f} TB/s", file=sys.stderr)
+    gen = torch.Generator(device="cuda").manual_seed(args.seed)
+    rows = []
+    cases = list(_kernel_cases(args))
+    bar = tqdm(total=len(cases) * len(args.tokens), desc="kernels", unit="case")
+    for shape, rank, op in cases:
+        L, E, k = args.loras, shape.num_experts, shape.top_k
+        lora_a, lora_b = _lora_weights(shape, op, L, rank, dtype, gen)
+        k_in, n_out, S = lora_a[0].shape[3], lora_b[0].shape[2], len(lora_a)
+        for M in args.tokens:
+            bar.update()
+            r = make_routing(shape, L, M, seed=args.seed + M, num_sequences=min(M, 8))
+            topk_ids, topk_w, token_lora = (r[n].cuda() for n in ("topk_ids", "topk_weights", "token_lora"))
+            rows_in = M if op == "w13" else M * k
+            x = torch.randn(rows_in, k_in, device="cuda", generator=gen, dtype=dtype)
+            out = torch.randn(M, k, S * n_out, device="cuda", generator=gen, dtype=dtype)
+            work = count_workload(topk_ids, token_lora, E, L)
+            mul = op == "w2"
+            for path in args.paths:
+                if path == "small_batch" and M > args.small_batch_max_tokens:
+                    continue
+                real = choose_path(M * k, E, L, rank) if path == "auto" else path
+                cfg = choose_config(real, M * k, min(M * k, work.touched_adapter_experts or 1), n_out, S,
+                                    x.device)
+                blocks = None if real == "small_batch" else block_list(topk_ids, token_lora, E, L, cfg.block_m)
+
+                def fn():
+                    moe_lora(x, topk_ids, topk_w, token_lora, lora_a, lora_b, path=real, mul_routed_weight=mul,
+                             output=out, add_inputs=True, alignment=blocks, config=cfg)
+
+                t = time_cuda(fn)
+                traffic = lora_op_traffic(real, work, in_features=k_in, out_features=n_out, num_slices=S,
+                                          rank=rank, x_rows="token" if op == "w13" else "pair",
+                                          dtype_bytes=x.element_size(), add_inputs=True)
+                rows.append(dict(
+                    preset=shape.name, op=op, path=path, ran=real, M=M, rank=rank, loras=L, dtype=args.dtype,
+                    block_m=cfg.block_m, n_chunks=cfg.n_chunks, us_median=round(t.median_us, 2),
+                    us_p20=round(t.p20_us, 2), us_p80=round(t.p80_us, 2), bytes=traffic.bytes,
+                    flops=traffic.flops, floor_us=round(traffic.floor_us(copy_bps), 2),
+                    achieved_tbps=round(traffic.bytes / (t.median_us * 1e-6) / 1e12, 4),
+                    copy_tbps=round(copy_bps / 1e12, 4), **prov))
+            if args.time_alignment:
+                cfg = choose_config("one_shot", M * k, min(M * k, work.touched_adapter_experts or 1), n_out, S,
+                                    x.device)
+                t = time_cuda(lambda: block_list(topk_ids, token_lora, E, L, cfg.block_m))
+                rows.append(dict(preset=shape.name, op=op, path="align", ran="align", M=M, rank=rank, loras=L,
+                                 dtype=args.dtype, block_m=cfg.block_m, n_chunks=1,
+                                 us_median=round(t.median_us, 2), us_p20=round(t.p20_us, 2),
+                                 us_p80=round(t.p80_us, 2), bytes=0, flops=0, floor_us=0, achieved_tbps=0,
+                                 copy_tbps=round(copy_bps / 1e12, 4), **prov))
+        del lora_a, lora_b
+        torch.cuda.empty_cache()
+    bar.close()
+    return rows
+
+
+def run_registers(args) -> list[dict]:
+    """Compile the one-shot kernel across ranks, with and without rank tiling, and read its resources."""
+    from tqdm.auto import tqdm
+
+    from .profile.report import one_shot_report
+    from .profile.timing import provenance
+
+    prov = provenance("python -m moelora_lab.bench " + " ".join(shlex.quote(a) for a in args.argv))
+    rows = []
+    cases = [(r, bm, mbr) for r in args.ranks for bm in args.block_m for mbr in args.max_block_r]
+    for rank, block_m, max_block_r in tqdm(cases, desc="compile", unit="kernel"):
+        try:
+            rep = one_shot_report(rank, block_m=block_m, max_block_r=max_block_r).as_dict()
+            error = ""
+        except Exception as exc:  # an out-of-resources compile is a result here, not a crash
+            rep, error = {}, f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        rows.append(dict(rank=rank, block_m=block_m, max_block_r=max_block_r, n_regs=rep.get("n_regs", ""),
+                         n_spills=rep.get("n_spills", ""), shared_bytes=rep.get("shared_bytes", ""),
+                         num_warps=rep.get("num_warps", ""), blocks_per_sm=rep.get("blocks_per_sm", ""),
+                         occupancy=rep.get("occupancy", ""), error=error, **prov))
+    return rows
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+def read_csv(path) -> list[dict]:
+    """Rows of a benchmark CSV with numbers converted back to int/float."""
+    def conv(v):
+        for cast in (int, float):
+            try:
+                return cast(v)
+            except ValueError:
+                pass
+        return v
+    with open(path, newline="") as f:
+        return [{k: conv(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m moelora_lab.bench", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="what", required=True)
+    k = sub.add_parser("kernels", help="LoRA op paths x presets x M x rank")
+    k.add_argument("--presets", nargs="+", default=["qwen3-30b-a3b", "deepseek-v2-lite"])
+    k.add_argument("--ops", nargs="+", choices=["w13", "w2"], default=["w13", "w2"])
+    k.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 32, 128, 512, 2048, 8192])
+    k.add_argument("--ranks", nargs="+", type=int, default=[16, 64, 128, 256])
+    k.add_argument("--paths", nargs="+", choices=KERNEL_PATHS, default=list(KERNEL_PATHS))
+    k.add_argument("--loras", type=int, default=4)
+    k.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    k.add_argument("--small-batch-max-tokens", type=int, default=512,
+                   help="skip the per-pair kernel above this M (it re-reads weights per pair)")
+    k.add_argument("--time-alignment", action="store_true", help="also time block_list() per case")
+    k.add_argument("--seed", type=int, default=0)
+    k.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    k.add_argument("--name", default="kernels", help="file stem of the CSV and plots")
+    g = sub.add_parser("registers", help="registers / spills / occupancy of the one-shot kernel vs rank")
+    g.add_argument("--ranks", nargs="+", type=int, default=[16, 32, 64, 128, 192, 256, 512])
+    g.add_argument("--block-m", nargs="+", type=int, default=[16, 64])
+    g.add_argument("--max-block-r", nargs="+", type=int, default=[128, 512],
+                   help="widest rank tile; 512 means one tile up to r = 512 (no rank tiling)")
+    g.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    g.add_argument("--name", default="registers")
+    args = p.parse_args(argv)
+    args.argv = list(argv)
+    return args
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("the benchmark times CUDA kernels and needs a GPU; on the CPU, read the committed CSVs under "
+              f"{DEFAULT_OUT} (the notebooks plot them)", file=sys.stderr)
+        return 2
+    rows = run_kernels(args) if args.what == "kernels" else run_registers(args)
+    csv_path = args.out / f"{args.name}.csv"
+    write_csv(rows, csv_path)
+    print(f"wrote {csv_path} ({len(rows)} rows)", file=sys.stderr)
+    if args.what != "kernels":
+        return 0
+    try:
+        from .plots.bench import save_kernel_plots
+        for png in save_kernel_plots(rows, args.out, args.name):
+            print(f"wrote {png}", file=sys.stderr)
+    except ImportError as exc:   # plots are optional on a headless machine without matplotlib
+        print(f"plots skipped: {exc}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

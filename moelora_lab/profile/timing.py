@@ -1,0 +1,71 @@
+"""GPU timing the way the lab's H200 tables were measured, and the copy-bandwidth ceiling.
+
+Method ("cold"): warm the op up, capture it in a CUDA graph, time graph replays with
+``triton.testing.do_bench`` (it flushes L2 before every replay) and report the median with the
+20th/80th percentiles in microseconds. The numbers include the graph launch floor (a few µs).
+Timings need a CUDA GPU; on the CPU these functions raise instead of returning interpreter times.
+"""
+from __future__ import annotations
+
+import datetime
+import platform
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Timing:
+    median_us: float
+    p20_us: float
+    p80_us: float
+
+
+def _need_gpu(what: str) -> None:
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"{what} needs a CUDA GPU; on the CPU the lab shows the committed H200 data instead")
+
+
+def time_cuda(fn, *, graph: bool = True, warmup_ms: float = 25, rep_ms: float = 100) -> Timing:
+    """Median / p20 / p80 µs of ``fn()`` replayed from a CUDA graph with L2 flushed before each run."""
+    _need_gpu("time_cuda")
+    import triton.testing
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):        # warm-up compiles kernels and settles the allocator
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    run = fn
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        run = g.replay
+    q = triton.testing.do_bench(run, warmup=warmup_ms, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
+    return Timing(*(v * 1e3 for v in q))
+
+
+def copy_bandwidth(num_bytes: int = 2 << 30) -> float:
+    """Device-to-device copy rate in bytes/s, counting bytes read plus bytes written."""
+    _need_gpu("copy_bandwidth")
+    src = torch.empty(num_bytes // 2, dtype=torch.float16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    t = time_cuda(lambda: dst.copy_(src), graph=False)
+    return 2 * num_bytes / (t.median_us * 1e-6)
+
+
+def provenance(command: str) -> dict:
+    """What produced a measurement: GPU, software versions, date, command."""
+    import triton
+
+    return {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "date": datetime.date.today().isoformat(),
+        "command": command,
+    }

@@ -1,0 +1,309 @@
+"""Analytic minimum-HBM-bytes and FLOP model of MoE-LoRA kernels and of one MoE layer.
+
+Shape legend: M tokens, E experts, k top-k, L adapters, r rank, K in, N out, S slices;
+pair = (token, slot), flat index p = t*k + j.
+
+Every byte count is a *lower bound* for the chosen formulation: each tensor a kernel must
+touch is counted once per time the formulation has to read or write it from HBM, assuming
+perfect caching inside one kernel and none across kernels. b is the element size in bytes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .._checks import INDEX_DTYPES, check_choice, check_int, check_range, check_tensor
+
+LORA_PATHS = ("naive", "two_kernel", "one_shot", "small_batch")
+X_ROWS = ("token", "pair")
+
+
+def _expected_distinct(bins: int, draws: int) -> int:
+    """Expected number of distinct bins hit by ``draws`` uniform draws: n*(1-(1-1/n)^d), rounded."""
+    if bins == 0 or draws == 0:
+        return 0
+    return round(bins * (1.0 - (1.0 - 1.0 / bins) ** draws))
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Counts that decide the traffic of one MoE-LoRA call.
+
+    num_tokens: M. top_k: k. tokens_with_adapter: tokens t with token_lora[t] >= 0.
+    pairs_with_adapter: P, the (token, slot) pairs of those tokens.
+    touched_adapter_experts: distinct (adapter, expert) with at least one pair.
+    touched_experts: distinct experts with at least one pair, with an adapter or without.
+    """
+
+    num_tokens: int
+    top_k: int
+    tokens_with_adapter: int
+    pairs_with_adapter: int
+    touched_adapter_experts: int
+    touched_experts: int
+
+    def __post_init__(self) -> None:
+        m = check_int("num_tokens", self.num_tokens, low=0)
+        k = check_int("top_k", self.top_k, low=1)
+        check_int("tokens_with_adapter", self.tokens_with_adapter, low=0, high=m)
+        p = check_int("pairs_with_adapter", self.pairs_with_adapter, low=0, high=self.tokens_with_adapter * k)
+        check_int("touched_adapter_experts", self.touched_adapter_experts, low=0, high=p)
+        check_int("touched_experts", self.touched_experts, low=0, high=m * k)
+
+    @classmethod
+    def dense(cls, num_tokens: int, top_k: int, num_experts: int, num_loras: int) -> "Workload":
+        """*Expected* counts under uniform random routing and uniformly random adapters.
+
+        Every token has an adapter, so tokens_with_adapter = M and pairs_with_adapter = M*k.
+        With d = M*k draws, touched_experts = E*(1-(1-1/E)^d) and touched_adapter_experts =
+        E*L*(1-(1-1/(E*L))^d), each rounded to the nearest int (the expected number of distinct
+        bins; slots of one token are treated as independent draws).
+        """
+        m = check_int("num_tokens", num_tokens, low=0)
+        e = check_int("num_experts", num_experts, low=1)
+        k = check_int("top_k", top_k, low=1, high=e)
+        n_loras = check_int("num_loras", num_loras, low=1)
+        draws = m * k
+        return cls(num_tokens=m, top_k=k, tokens_with_adapter=m, pairs_with_adapter=draws,
+                   touched_adapter_experts=_expected_distinct(e * n_loras, draws),
+                   touched_experts=_expected_distinct(e, draws))
+
+
+def count_workload(topk_ids: torch.Tensor, token_lora: torch.Tensor, num_experts: int, num_loras: int) -> Workload:
+    """*Counted* (exact) workload of one routing: topk_ids [M, k] in 0..E-1, token_lora [M] in -1..L-1.
+
+    A token with token_lora == -1 has no adapter: its pairs count for touched_experts only.
+    """
+    e = check_int("num_experts", num_experts, low=1)
+    n_loras = check_int("num_loras", num_loras, low=1)
+    check_tensor("topk_ids", topk_ids, ndim=2, dtypes=INDEX_DTYPES, legend="[M, k]")
+    m, k = topk_ids.shape
+    check_int("top_k (topk_ids.shape[1])", k, low=1)
+    check_tensor("token_lora", token_lora, dtypes=INDEX_DTYPES, shape=(m,), legend="[M]", device=topk_ids.device)
+    check_range("topk_ids", topk_ids, 0, e, "expert ids")
+    check_range("token_lora", token_lora, -1, n_loras, "adapter ids, -1 for none")
+    ids = topk_ids.long()
+    has = token_lora.long() >= 0
+    keys = token_lora.long()[has].unsqueeze(1) * e + ids[has]
+    n_tokens = int(has.sum())
+    return Workload(num_tokens=m, top_k=k, tokens_with_adapter=n_tokens, pairs_with_adapter=n_tokens * k,
+                    touched_adapter_experts=int(torch.unique(keys).numel()),
+                    touched_experts=int(torch.unique(ids).numel()))
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """HBM bytes, FLOPs and kernel launches of one step; ``parts`` is ((name, bytes), ...)."""
+
+    bytes_read: int
+    bytes_written: int
+    flops: int
+    launches: int
+    parts: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def bytes(self) -> int:
+        """bytes_read + bytes_written."""
+        return self.bytes_read + self.bytes_written
+
+    @property
+    def intensity(self) -> float:
+        """Arithmetic intensity flops / bytes (0.0 when no bytes move)."""
+        return self.flops / self.bytes if self.bytes else 0.0
+
+    def part(self, name: str) -> int:
+        """Bytes of the part called ``name`` (0 when absent)."""
+        return dict(self.parts).get(name, 0)
+
+    def floor_us(self, bandwidth_bytes_per_s: float) -> float:
+        """Memory-bound time floor in microseconds: bytes / bandwidth * 1e6."""
+        if isinstance(bandwidth_bytes_per_s, bool) or not isinstance(bandwidth_bytes_per_s, (int, float)):
+            raise TypeError(f"bandwidth_bytes_per_s: expected a number, got {type(bandwidth_bytes_per_s).__name__}")
+        if not bandwidth_bytes_per_s > 0:
+            raise ValueError(f"bandwidth_bytes_per_s: must be > 0, got {bandwidth_bytes_per_s}")
+        return self.bytes / bandwidth_bytes_per_s * 1e6
+
+    def __add__(self, other: "Traffic") -> "Traffic":
+        """Sum every field; parts with the same name are merged (first-seen order kept)."""
+        if not isinstance(other, Traffic):
+            return NotImplemented
+        merged: dict[str, int] = dict(self.parts)
+        for name, nbytes in other.parts:
+            merged[name] = merged.get(name, 0) + nbytes
+        return Traffic(self.bytes_read + other.bytes_read, self.bytes_written + other.bytes_written,
+                       self.flops + other.flops, self.launches + other.launches, tuple(merged.items()))
+
+    def __radd__(self, other) -> "Traffic":
+        """Lets ``sum(traffics)`` start from 0."""
+        if isinstance(other, int) and other == 0:
+            return self
+        return NotImplemented
+
+
+def _traffic(reads: list[tuple[str, int]], writes: list[tuple[str, int]], flops: int, launches: int) -> Traffic:
+    """Traffic whose bytes_read / bytes_written are the sums of the named read / written parts."""
+    return Traffic(sum(n for _, n in reads), sum(n for _, n in writes), flops, launches, tuple(reads + writes))
+
+
+def _check_workload(workload) -> Workload:
+    if not isinstance(workload, Workload):
+        raise TypeError(f"workload: expected a Workload (see count_workload / Workload.dense), got {type(workload).__name__}")
+    return workload
+
+
+def lora_op_traffic(
+    path: str,
+    workload: Workload,
+    *,
+    in_features: int,
+    out_features: int,
+    num_slices: int,
+    rank: int,
+    x_rows: str = "token",
+    dtype_bytes: int = 2,
+    add_inputs: bool = True,
+    intermediate_bytes: int | None = None,
+) -> Traffic:
+    """Traffic of the MoE-LoRA op out[t,j,s*N:(s+1)*N] (+)= B_s[l,e] @ (A_s[l,e] @ x_row).
+
+    With P = pairs_with_adapter, X = tokens_with_adapter (x_rows "token") or P (x_rows "pair"),
+    T = touched_adapter_experts, W1 = S*r*K + S*N*r weight elements per (adapter, expert):
+
+    common      x read X*K*b; out written P*S*N*b (and read P*S*N*b when add_inputs);
+                FLOPs 2*P*S*r*(K+N) (+ P*S*N when add_inputs).
+    one_shot    weights T*W1*b, 1 launch.
+    two_kernel  weights T*W1*b; intermediate [S, M, k, r] of bi = intermediate_bytes or b:
+                zero-fill S*M*k*r*bi, shrink writes P*S*r*bi, expand reads P*S*r*bi; 3 launches.
+    small_batch one program per pair, weights P*W1*b, 1 launch.
+    naive       gather + bmm: weights read P*W1*b, per-pair copy written P*W1*b and read again
+                P*W1*b; fp32 intermediate (bi = intermediate_bytes or 4) written and read P*S*r*bi.
+                Launches 4*S + 1: one to build the per-pair weight index, then per slice a
+                gather of A, a gather of B, the shrink bmm and the expand baddbmm (add fused).
+    """
+    check_choice("path", path, LORA_PATHS)
+    wl = _check_workload(workload)
+    k_in = check_int("in_features", in_features, low=1)
+    n_out = check_int("out_features", out_features, low=1)
+    s = check_int("num_slices", num_slices, low=1)
+    r = check_int("rank", rank, low=1)
+    check_choice("x_rows", x_rows, X_ROWS)
+    b = check_int("dtype_bytes", dtype_bytes, low=1)
+    if not isinstance(add_inputs, bool):
+        raise TypeError(f"add_inputs: expected a bool, got {type(add_inputs).__name__} {add_inputs!r}")
+    if intermediate_bytes is not None:
+        check_int("intermediate_bytes", intermediate_bytes, low=1)
+
+    p = wl.pairs_with_adapter
+    x = wl.tokens_with_adapter if x_rows == "token" else p
+    out_bytes = p * s * n_out * b
+    flops = 2 * p * s * r * (k_in + n_out) + (p * s * n_out if add_inputs else 0)
+    a_elems, b_elems = s * r * k_in, s * n_out * r
+    copies = wl.touched_adapter_experts if path in ("one_shot", "two_kernel") else p
+
+    reads = [("x", x * k_in * b), ("lora_a", copies * a_elems * b), ("lora_b", copies * b_elems * b)]
+    writes: list[tuple[str, int]] = []
+    launches = 1
+    if path == "two_kernel":
+        bi = intermediate_bytes or b
+        writes += [
+            ("intermediate_zero", s * wl.num_tokens * wl.top_k * r * bi),
+            ("intermediate_write", p * s * r * bi),
+        ]
+        reads.append(("intermediate_read", p * s * r * bi))
+        launches = 3
+    elif path == "naive":
+        bi = intermediate_bytes or 4
+        writes += [
+            ("lora_a_copy_write", p * a_elems * b),
+            ("lora_b_copy_write", p * b_elems * b),
+            ("intermediate_write", p * s * r * bi),
+        ]
+        reads += [
+            ("lora_a_copy_read", p * a_elems * b),
+            ("lora_b_copy_read", p * b_elems * b),
+            ("intermediate_read", p * s * r * bi),
+        ]
+        launches = 4 * s + 1
+    if add_inputs:
+        reads.append(("out_read", out_bytes))
+    writes.append(("out_write", out_bytes))
+    return _traffic(reads, writes, flops, launches)
+
+
+def _shape_int(shape, attr: str) -> int:
+    if not hasattr(shape, attr):
+        raise TypeError(f"shape: expected an object with hidden, intermediate, num_experts, top_k; missing {attr!r}")
+    return check_int(f"shape.{attr}", getattr(shape, attr), low=1)
+
+
+def layer_traffic(
+    shape,
+    rank: int,
+    workload: Workload,
+    *,
+    dtype_bytes: int = 2,
+    lora_path: str = "one_shot",
+    with_lora: bool = True,
+) -> dict[str, Traffic]:
+    """Traffic of one MoE layer with LoRA, stage by stage (H hidden, I intermediate).
+
+    base_w13  read x M*H*b and touched_experts*2I*H*b, write c1 M*k*2I*b; FLOPs 2*M*k*2I*H.
+    lora_w13  lora_op_traffic(K=H, N=I, S=2, x_rows "token", add_inputs True).
+    act       h = silu(c1[:, :I]) * c1[:, I:]: read M*k*2I*b, write M*k*I*b; FLOPs 5*M*k*I
+              (silu as x/(1+exp(-x)): 4, the product: 1).
+    base_w2   read h M*k*I*b and touched_experts*H*I*b, write c3 M*k*H*b;
+              FLOPs 2*M*k*H*I + M*k*H (routing weight).
+    lora_w2   lora_op_traffic(K=I, N=H, S=1, x_rows "pair", add_inputs True).
+    sum       y = sum over k: read M*k*H*b, write M*H*b; FLOPs M*(k-1)*H.
+    total     sum of the stages above.
+    floor     fully fused: x read once, every touched base weight (T_e*3*I*H*b) and touched
+              LoRA weight (T*(W1_w13 + W1_w2)*b) read once, y written once; FLOPs of total, 1 launch.
+    Without LoRA the lora stages are left out (and no LoRA weights enter the floor).
+    """
+    h_dim, i_dim = _shape_int(shape, "hidden"), _shape_int(shape, "intermediate")
+    n_experts, k = _shape_int(shape, "num_experts"), _shape_int(shape, "top_k")
+    r = check_int("rank", rank, low=1)
+    wl = _check_workload(workload)
+    b = check_int("dtype_bytes", dtype_bytes, low=1)
+    check_choice("lora_path", lora_path, LORA_PATHS)
+    if not isinstance(with_lora, bool):
+        raise TypeError(f"with_lora: expected a bool, got {type(with_lora).__name__} {with_lora!r}")
+    if wl.top_k != k:
+        raise ValueError(f"workload: top_k is {wl.top_k} but shape.top_k is {k}; count the workload with the layer's top_k")
+    if wl.touched_experts > n_experts:
+        raise ValueError(f"workload: touched_experts is {wl.touched_experts}, more than shape.num_experts = {n_experts}")
+
+    m, te = wl.num_tokens, wl.touched_experts
+    stages: dict[str, Traffic] = {}
+    stages["base_w13"] = _traffic(
+        [("x", m * h_dim * b), ("w13", te * 2 * i_dim * h_dim * b)],
+        [("c1", m * k * 2 * i_dim * b)],
+        2 * m * k * 2 * i_dim * h_dim, 1,
+    )
+    if with_lora:
+        stages["lora_w13"] = lora_op_traffic(
+            lora_path, wl, in_features=h_dim, out_features=i_dim, num_slices=2, rank=r,
+            x_rows="token", dtype_bytes=b, add_inputs=True,
+        )
+    stages["act"] = _traffic([("c1", m * k * 2 * i_dim * b)], [("h", m * k * i_dim * b)], 5 * m * k * i_dim, 1)
+    stages["base_w2"] = _traffic(
+        [("h", m * k * i_dim * b), ("w2", te * h_dim * i_dim * b)],
+        [("c3", m * k * h_dim * b)],
+        2 * m * k * h_dim * i_dim + m * k * h_dim, 1,
+    )
+    if with_lora:
+        stages["lora_w2"] = lora_op_traffic(
+            lora_path, wl, in_features=i_dim, out_features=h_dim, num_slices=1, rank=r,
+            x_rows="pair", dtype_bytes=b, add_inputs=True,
+        )
+    stages["sum"] = _traffic([("c3", m * k * h_dim * b)], [("y", m * h_dim * b)], m * (k - 1) * h_dim, 1)
+
+    total = sum(stages.values())
+    lora_elems = (2 * r * h_dim + 2 * i_dim * r) + (r * i_dim + h_dim * r)
+    floor_reads = [("x", m * h_dim * b), ("base_weights", te * 3 * i_dim * h_dim * b)]
+    if with_lora:
+        floor_reads.append(("lora_weights", wl.touched_adapter_experts * lora_elems * b))
+    stages["total"] = total
+    stages["floor"] = _traffic(floor_reads, [("y", m * h_dim * b)], total.flops, 1)
+    return stages

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Check and measure on a CUDA GPU in one go: the test suite on CUDA, the register report, the
+# kernel sweep. Results go to $OUT (default ./gpu_results). Usage:
+#   bash scripts/gpu_suite.sh [tests] [registers] [smoke|kernels] [extra bench args...]
+set -uo pipefail
+OUT=${OUT:-gpu_results}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+$PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests registers kernels)
+for step in "${steps[@]}"; do
+  case "$step" in
+    tests)
+      $PY -m pytest tests --gpu -q -p no:cacheprovider -x 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15 ;;
+    registers)
+      $PY -m moelora_lab.bench registers --out "$OUT" 2>&1 | tail -n 3 ;;
+    smoke)
+      $PY -m moelora_lab.bench kernels --presets qwen3-30b-a3b --tokens 1 32 2048 --ranks 16 256 \
+        --out "$OUT" --name smoke --time-alignment 2>&1 | tail -n 5 ;;
+    kernels)
+      $PY -m moelora_lab.bench kernels --time-alignment --out "$OUT" 2>&1 | tail -n 5 ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
