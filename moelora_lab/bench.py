@@ -32,6 +32,14 @@ def _lora_weights(shape, op, num_loras, rank, dtype, gen):
     return a, b
 
 
+def _variants(args):
+    """(path, config override) pairs to time: the default configs, or a tuning grid with ``--tune``."""
+    if not getattr(args, "tune", False):
+        return [(path, {}) for path in args.paths]
+    grid = [("one_shot", dict(n_chunks=c, block_n=bn)) for bn in (64, 128) for c in (1, 2, 4, 8, 16, 32)]
+    return grid + [("two_kernel", dict(block_n=bn)) for bn in (64, 128)]
+
+
 def _kernel_cases(args):
     from .config import MoEShape
     for preset in args.presets:
@@ -72,12 +80,12 @@ def run_kernels(args) -> list[dict]:
             out = torch.randn(M, k, S * n_out, device="cuda", generator=gen, dtype=dtype)
             work = count_workload(topk_ids, token_lora, E, L)
             mul = op == "w2"
-            for path in args.paths:
+            for path, override in _variants(args):
                 if path == "small_batch" and M > args.small_batch_max_tokens:
                     continue
                 real = choose_path(M * k, E, L, rank) if path == "auto" else path
                 cfg = choose_config(real, M * k, min(M * k, work.touched_adapter_experts or 1), n_out, S,
-                                    x.device)
+                                    x.device).replace(**override)
                 blocks = None if real == "small_batch" else block_list(topk_ids, token_lora, E, L, cfg.block_m)
 
                 def fn():
@@ -90,7 +98,8 @@ def run_kernels(args) -> list[dict]:
                                           dtype_bytes=x.element_size(), add_inputs=True)
                 rows.append(dict(
                     preset=shape.name, op=op, path=path, ran=real, M=M, rank=rank, loras=L, dtype=args.dtype,
-                    block_m=cfg.block_m, n_chunks=cfg.n_chunks, us_median=round(t.median_us, 2),
+                    block_m=cfg.block_m, block_n=cfg.block_n, n_chunks=cfg.n_chunks,
+                    us_median=round(t.median_us, 2),
                     us_p20=round(t.p20_us, 2), us_p80=round(t.p80_us, 2), bytes=traffic.bytes,
                     flops=traffic.flops, floor_us=round(traffic.floor_us(copy_bps), 2),
                     achieved_tbps=round(traffic.bytes / (t.median_us * 1e-6) / 1e12, 4),
@@ -100,7 +109,7 @@ def run_kernels(args) -> list[dict]:
                                     x.device)
                 t = time_cuda(lambda: block_list(topk_ids, token_lora, E, L, cfg.block_m))
                 rows.append(dict(preset=shape.name, op=op, path="align", ran="align", M=M, rank=rank, loras=L,
-                                 dtype=args.dtype, block_m=cfg.block_m, n_chunks=1,
+                                 dtype=args.dtype, block_m=cfg.block_m, block_n=0, n_chunks=1,
                                  us_median=round(t.median_us, 2), us_p20=round(t.p20_us, 2),
                                  us_p80=round(t.p80_us, 2), bytes=0, flops=0, floor_us=0, achieved_tbps=0,
                                  copy_tbps=round(copy_bps / 1e12, 4), **prov))
@@ -168,6 +177,7 @@ def parse_args(argv):
     k.add_argument("--small-batch-max-tokens", type=int, default=512,
                    help="skip the per-pair kernel above this M (it re-reads weights per pair)")
     k.add_argument("--time-alignment", action="store_true", help="also time block_list() per case")
+    k.add_argument("--tune", action="store_true", help="time a grid of one-shot / two-kernel tiles per case")
     k.add_argument("--seed", type=int, default=0)
     k.add_argument("--out", type=Path, default=DEFAULT_OUT)
     k.add_argument("--name", default="kernels", help="file stem of the CSV and plots")
@@ -194,7 +204,7 @@ def main(argv=None) -> int:
     csv_path = args.out / f"{args.name}.csv"
     write_csv(rows, csv_path)
     print(f"wrote {csv_path} ({len(rows)} rows)", file=sys.stderr)
-    if args.what != "kernels":
+    if args.what != "kernels" or args.tune:
         return 0
     try:
         from .plots.bench import save_kernel_plots

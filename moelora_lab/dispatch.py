@@ -73,12 +73,26 @@ def num_sms(device: torch.device) -> int:
     return 2
 
 
+# Measured on one H200 (bf16, 4 adapters, qwen3-30b-a3b and deepseek-v2-lite shapes, w13 and w2,
+# M = 1 .. 8192, r = 16 .. 256; moelora_lab/data/h200/tune.csv and kernels.csv):
+# * the one-shot kernel is fastest, or within a few percent, for r <= 64 at every M, and for every r
+#   once M*k > 4096 (there the two-kernel path pays for re-reading T and B per N tile);
+# * for r >= 128 with few pairs per (adapter, expert), the two-kernel path wins by up to 1.6x: its
+#   shrink spreads the wide rank over programs (rank tiles in the grid), while the fused kernel walks
+#   its rank tiles one after another inside one program;
+# * the small-batch GEMV kernel never won (1.2-2.5x slower than one-shot even at M = 1): tensor-core
+#   tiles that are 1/16 full still beat CUDA-core reductions, so ``auto`` never picks it.
+# * the fused kernel needs enough programs: with few blocks, split N into chunks until there are
+#   ~4 programs per SM (each chunk recomputes its shrink, which is cheap next to the expand).
+TWO_KERNEL_MIN_RANK = 128
+TWO_KERNEL_MAX_PAIRS = 4096
+PROGRAMS_PER_SM = 4
+
+
 def choose_path(num_pairs: int, num_experts: int, num_loras: int, rank: int) -> str:
-    """The ``auto`` rule: per-pair GEMVs when pairs are few next to the (adapter, expert) weights,
-    otherwise the fused one-shot kernel over sorted blocks. Never the two-kernel path: it moves
-    strictly more bytes for the same math."""
-    if use_naive_assignment(num_pairs, num_experts, num_loras):
-        return "small_batch"
+    """The ``auto`` rule (see the measurements above): one-shot, except wide ranks with few pairs."""
+    if rank >= TWO_KERNEL_MIN_RANK and num_pairs <= TWO_KERNEL_MAX_PAIRS:
+        return "two_kernel"
     return "one_shot"
 
 
@@ -90,10 +104,13 @@ def choose_config(path: str, num_pairs: int, num_groups: int, n_out: int, num_sl
     per_group = num_pairs / max(num_groups, 1)
     base = CONFIGS["decode"] if per_group <= 24 else CONFIGS["prefill"]
     block_m = 16 if per_group <= 24 else (32 if per_group <= 48 else 64)
-    blocks = num_pairs // block_m + min(num_groups, num_pairs)
-    sms = num_sms(device)
-    n_tiles = -(-n_out // base.block_n)
-    n_chunks = 1
-    if blocks * num_slices < 2 * sms:                   # too few programs: split N, each recomputes its shrink
-        n_chunks = max(1, min(n_tiles, 4, -(-2 * sms // max(blocks * num_slices, 1))))
-    return base.replace(block_m=block_m, n_chunks=n_chunks)
+    blocks = max(1, num_pairs // block_m + min(num_groups, num_pairs))
+    target = PROGRAMS_PER_SM * num_sms(device)
+    block_n, n_chunks = 128, 1
+    want = -(-target // (blocks * num_slices))
+    if want > 1 and path in ("one_shot", "small_batch"):
+        tiles128 = -(-n_out // 128)
+        if want > tiles128:                              # more chunks than 128-wide tiles: go narrower
+            block_n = 64
+        n_chunks = min(want, -(-n_out // block_n))
+    return base.replace(block_m=block_m, block_n=block_n, n_chunks=n_chunks)

@@ -47,16 +47,17 @@ def _launch_one_shot(x, lora_a, lora_b, out2d, weights, blocks, cfg, *, top_k, t
     block_r, rank_tiles = cfg.rank_tiling(R)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     a, b = lora_a[0], lora_b[0]
+    n_chunks = min(cfg.n_chunks, triton.cdiv(N, cfg.block_n))    # never more chunks than N tiles
     compiled = None
     for s0 in range(0, len(lora_a), 2):
         ns = min(2, len(lora_a) - s0)
-        grid = (blocks.num_blocks, ns * cfg.n_chunks)
+        grid = (blocks.num_blocks, ns * n_chunks)
         compiled = one_shot_kernel[grid](
             x, *_slices(lora_a, s0), *_slices(lora_b, s0), out2d, weights,
             blocks.sorted_pairs, blocks.block_lora, blocks.block_expert,
             out2d.shape[0], top_k, K, N, R, s0 * N,
             x.stride(0), x.stride(1), *a.stride(), *b.stride(), out2d.stride(0), out2d.stride(1),
-            N_CHUNKS=cfg.n_chunks, BLOCK_M=blocks.block_size, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            N_CHUNKS=n_chunks, BLOCK_M=blocks.block_size, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             BLOCK_R=block_r, RANK_TILES=rank_tiles, TOKEN_ROWS=token_rows, MUL_ROUTED_WEIGHT=mul,
             ADD_INPUTS=add, DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return compiled   # the compiled kernel on a GPU (registers, spills), for profile.report
@@ -151,6 +152,8 @@ def moe_lora(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, *, path: str
     num_pairs = M * k
     if alignment is not None:
         block_m = _check_blocks(alignment, num_pairs, x.device)
+        if config is not None and config.block_m != block_m:
+            raise ValueError(f"config.block_m={config.block_m} differs from the alignment's block size {block_m}")
     if output is None:
         output = torch.zeros(M, k, S * N, dtype=x.dtype, device=x.device)
     else:
@@ -191,8 +194,6 @@ def moe_lora(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, *, path: str
         alignment = block_list(topk_ids, token_lora, E, L, cfg.block_m)
     else:
         cfg = (config or choose_config(path, num_pairs, min(num_pairs, L * E), N, S, x.device))
-        if config is not None and config.block_m != block_m:
-            raise ValueError(f"config.block_m={config.block_m} differs from the alignment's block size {block_m}")
         cfg = cfg.replace(block_m=block_m)
     launch = _launch_one_shot if path == "one_shot" else _launch_two_kernel
     launch(x, lora_a, lora_b, out2d, weights, alignment, cfg, **kw)

@@ -16,6 +16,8 @@ for step in "${steps[@]}"; do
       $PY -m pytest tests --gpu -q -p no:cacheprovider -x 2>&1 | tee "$OUT/gpu_tests.log" | tail -n 15 ;;
     registers)
       $PY -m moelora_lab.bench registers --out "$OUT" 2>&1 | tail -n 3 ;;
+    tune)
+      $PY -m moelora_lab.bench kernels --tune --tokens 1 8 32 128 512 2048 --ranks 16 64 256 --out "$OUT" --name tune 2>&1 | tail -n 3 ;;
     smoke)
       $PY -m moelora_lab.bench kernels --presets qwen3-30b-a3b --tokens 1 32 2048 --ranks 16 256 \
         --out "$OUT" --name smoke --time-alignment 2>&1 | tail -n 5 ;;

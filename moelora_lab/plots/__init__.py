@@ -1,4 +1,4 @@
-"""Pure drawing functions ``draw_<thing>(ax, data, **params)`` and the data helpers they need."""
+"""Pure drawing functions ``draw_<thing>(ax, data, **params)`` and the data functions behind them."""
 from .routing import (
     assignment_costs,
     draw_assignment_cost,

@@ -3,7 +3,7 @@
 Shape legend: M tokens, E experts, k top-k, L adapters, P slots per adapter row, pair p = t*k + j.
 
 ``draw_*(ax, data, **params)`` draw on a matplotlib Axes and return None: they never create a
-figure or call ``plt.show()``. The data helpers are pure and return plain dicts.
+figure or call ``plt.show()``. The data functions are pure and return plain dicts.
 """
 from __future__ import annotations
 
@@ -18,23 +18,39 @@ from matplotlib.patches import Patch
 
 from .._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_range, check_tensor
 from ..config import LoRAShape, MoEShape, make_problem
-from ..routing import SPARSITY_FACTOR, Alignment, align_block_size, use_naive_assignment
+from ..routing import Alignment, align_block_size, use_naive_assignment
 
 PAD_STYLE = dict(facecolor="#e4e4e4", edgecolor="#8c8c8c", hatch="///")
 COST_KEYS = ("num_tokens", "naive_loads", "sorted_loads")
 
 
 def expert_colors(num_experts: int) -> list:
-    """One RGBA colour per expert: tab10 / tab20 for few experts, a sampled 'turbo' beyond 20."""
+    """One RGB(A) colour per expert: tab10 / tab20 without their greys (kept for padding) for up
+    to 18 experts, a sampled 'turbo' beyond."""
     n = check_int("num_experts", num_experts, low=1)
-    if n <= 20:
-        return list(plt.get_cmap("tab10" if n <= 10 else "tab20").colors[:n])
+    if n <= 18:
+        name, greys = ("tab10", (7,)) if n <= 9 else ("tab20", (14, 15))
+        return [c for i, c in enumerate(plt.get_cmap(name).colors) if i not in greys][:n]
     return [tuple(c) for c in plt.get_cmap("turbo")(np.linspace(0.05, 0.95, n))]
 
 
 def _check_ax(ax) -> None:
     if not isinstance(ax, Axes):
         raise TypeError(f"ax: expected a matplotlib Axes (e.g. fig.add_subplot()), got {type(ax).__name__}")
+
+
+def _check_list(name: str, value, what: str):
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not value:
+        raise TypeError(f"{name}: expected a non-empty list of {what}, got {value!r}")
+    return value
+
+
+def _last_naive_tokens(num_experts: int, top_k: int, num_loras: int) -> int:
+    """Largest M for which use_naive_assignment(M*k, E, L) holds (0 if none)."""
+    m = 0
+    while use_naive_assignment((m + 1) * top_k, num_experts, num_loras):
+        m += 1
+    return m
 
 
 def _check_alignment(alignment, num_pairs):
@@ -83,9 +99,7 @@ def padding_stats(alignment: Alignment, num_pairs: int) -> dict:
 
 def padding_by_block_size(topk_ids, token_lora, num_experts: int, num_loras: int, block_sizes) -> list[dict]:
     """``padding_stats`` of one routing aligned with each block size (ascending list of ints)."""
-    if isinstance(block_sizes, (str, bytes)) or not isinstance(block_sizes, Sequence) or not block_sizes:
-        raise TypeError(f"block_sizes: expected a non-empty list of ints, got {block_sizes!r}")
-    for b in block_sizes:
+    for b in _check_list("block_sizes", block_sizes, "ints"):
         check_int("block_sizes[i]", b, low=1)
     num_pairs = topk_ids.numel() if isinstance(topk_ids, torch.Tensor) else 0
     return [padding_stats(align_block_size(topk_ids, token_lora, num_experts, num_loras, b), num_pairs)
@@ -98,9 +112,7 @@ def find_crossover(rows) -> int | None:
     ``rows`` are ordered by num_tokens and hold num_tokens, naive_loads and sorted_loads. Returns
     None when sorting never wins for good (a win followed by a loss at larger M does not count).
     """
-    if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence) or not rows:
-        raise TypeError(f"rows: expected a non-empty list of dicts (assignment_costs(...)['rows']), got {rows!r}")
-    for i, row in enumerate(rows):
+    for i, row in enumerate(_check_list("rows", rows, "dicts (assignment_costs(...)['rows'])")):
         if not isinstance(row, Mapping) or any(key not in row for key in COST_KEYS):
             raise ValueError(f"rows[{i}]: expected a dict with keys {', '.join(COST_KEYS)}, got {row!r}")
     ms = [row["num_tokens"] for row in rows]
@@ -135,7 +147,7 @@ def assignment_costs(shape, num_loras: int, block_size: int, token_counts, *, se
     adapter_popularity=popularity, with_base=False)``. Returns a dict: shape, num_experts, top_k,
     num_loras, block_size, popularity, seed, rows (one dict per M, also with vllm_naive:
     use_naive_assignment(M*k, E, L)), crossover (find_crossover of the rows) and vllm_threshold
-    (E*L / (8*k): vLLM picks naive for M up to it).
+    (the largest M that vLLM's rule M*k*8 <= E*L still runs naive).
     """
     if isinstance(shape, str):
         shape = MoEShape.from_name(shape)
@@ -143,9 +155,7 @@ def assignment_costs(shape, num_loras: int, block_size: int, token_counts, *, se
         raise TypeError(f"shape: expected a MoEShape or a preset name, got {type(shape).__name__}")
     L = check_int("num_loras", num_loras, low=1)
     bs = check_int("block_size", block_size, low=1)
-    if isinstance(token_counts, (str, bytes)) or not isinstance(token_counts, Sequence) or not token_counts:
-        raise TypeError(f"token_counts: expected a non-empty list of ints, got {token_counts!r}")
-    for m in token_counts:
+    for m in _check_list("token_counts", token_counts, "ints"):
         check_int("token_counts[i]", m, low=1)
     if any(a >= b for a, b in zip(token_counts, token_counts[1:])):
         raise ValueError(f"token_counts: must be strictly increasing, got {list(token_counts)}")
@@ -164,7 +174,7 @@ def assignment_costs(shape, num_loras: int, block_size: int, token_counts, *, se
                          padded_slots=st["padded_slots"], padding_waste=st["waste"],
                          vllm_naive=use_naive_assignment(m * k, E, L)))
     return dict(shape=shape.name, num_experts=E, top_k=k, num_loras=L, block_size=bs, popularity=popularity,
-                seed=seed, rows=rows, crossover=find_crossover(rows), vllm_threshold=E * L / (SPARSITY_FACTOR * k))
+                seed=seed, rows=rows, crossover=find_crossover(rows), vllm_threshold=_last_naive_tokens(E, k, L))
 
 
 def draw_topk_heatmap(ax, topk_ids, topk_weights, num_experts: int, *, token_lora=None,
@@ -193,10 +203,11 @@ def draw_topk_heatmap(ax, topk_ids, topk_weights, num_experts: int, *, token_lor
         if token_lora is not None:
             ax.set_yticklabels([f"t{t} · " + (f"adapter {l}" if l >= 0 else "no adapter")
                                 for t, l in enumerate(token_lora.tolist())])
-    ax.set_xticks(np.arange(E + 1) - 0.5, minor=True)
-    ax.set_yticks(np.arange(M + 1) - 0.5, minor=True)
-    ax.grid(which="minor", color="white", linewidth=1.0)
-    ax.tick_params(which="minor", length=0)
+    if M <= 64 and E <= 64:                                     # cell borders, while they stay thin
+        ax.set_xticks(np.arange(E + 1) - 0.5, minor=True)
+        ax.set_yticks(np.arange(M + 1) - 0.5, minor=True)
+        ax.grid(which="minor", color="white", linewidth=1.0)
+        ax.tick_params(which="minor", length=0)
     ax.set_xlabel("expert e")
     ax.set_ylabel("token t")
     ax.set_title(f"router → top-{k}: each token keeps {k} of {E} experts")
@@ -209,12 +220,12 @@ def draw_block_layout(ax, alignment: Alignment, num_pairs: int, *, num_tokens: i
                       annotate: bool | None = None) -> None:
     """Each adapter row (y) of sorted_token_ids as slots (x): one coloured bar per expert run,
     one hatched grey bar per padding run, black ticks at block boundaries, a red mark at
-    num_tokens_post_padded. With num_tokens and top_k, slots are labelled t.j instead of p;
+    num_tokens_post_padded. Slots show their pair id p, and (t, j) when num_tokens and top_k are given;
     num_experts fixes the colour map (default: the largest expert in expert_ids + 1)."""
     _check_ax(ax)
     ids, experts, ntpp, bs = _check_alignment(alignment, num_pairs)
     if (num_tokens is None) != (top_k is None):
-        raise ValueError("num_tokens and top_k: give both (slots are then labelled t.j) or neither")
+        raise ValueError("num_tokens and top_k: give both (slots then also show (t, j)) or neither")
     if num_tokens is not None:
         check_int("num_tokens", num_tokens, low=0)
         check_int("top_k", top_k, low=1)
@@ -229,6 +240,8 @@ def draw_block_layout(ax, alignment: Alignment, num_pairs: int, *, num_tokens: i
     colors = expert_colors(E)
     xmax = max(int(ntpp.max()) if L else 0, bs)
     annotate = xmax <= 48 and L <= 8 if annotate is None else annotate
+    dense = xmax > 160                                          # thin runs: no edges, no hatch
+    pad_style = dict(facecolor=PAD_STYLE["facecolor"]) if dense else PAD_STYLE
     used, edges = set(), []
     for l in range(L):
         row = ids[l, : int(ntpp[l])].tolist()
@@ -238,16 +251,17 @@ def draw_block_layout(ax, alignment: Alignment, num_pairs: int, *, num_tokens: i
             end = s + 1
             while end < len(row) and (row[end] >= num_pairs) == pad and int(experts[l, end // bs]) == e:
                 end += 1
-            style = PAD_STYLE if pad else dict(facecolor=colors[e], edgecolor="white")
-            ax.barh(l, end - s, left=s, height=0.8, linewidth=0.8, **style)
+            style = pad_style if pad else dict(facecolor=colors[e], edgecolor="white")
+            ax.barh(l, end - s, left=s, height=0.8, linewidth=0 if dense else 0.8, **style)
             used |= set() if pad else {e}
             s = end
         edges += [(x, l) for x in range(0, len(row) + 1, bs)]
         if annotate:
             for s, p in enumerate(row):
                 if p < num_pairs:
-                    label = f"{p // top_k}.{p % top_k}" if top_k else str(p)
-                    ax.text(s + 0.5, l, label, ha="center", va="center", fontsize=7, color="white")
+                    label = f"{p}\n({p // top_k},{p % top_k})" if top_k else str(p)
+                    ax.text(s + 0.5, l, label, ha="center", va="center", fontsize=7, color="white",
+                            linespacing=1.3)
         if not row:
             ax.text(0.2, l, "no pairs", va="center", fontsize=8, color="#666666")
     if annotate:                                                # thin separators between slots
@@ -279,9 +293,8 @@ def draw_block_layout(ax, alignment: Alignment, num_pairs: int, *, num_tokens: i
 def draw_padding_waste(ax, rows, *, label: str | None = None, color=None) -> None:
     """Padding waste (%) against block size, one line per call (rows: padding_by_block_size)."""
     _check_ax(ax)
-    if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence) or not rows:
-        raise TypeError(f"rows: expected a non-empty list of padding_stats dicts, got {rows!r}")
-    if any(not isinstance(r, Mapping) or "block_size" not in r or "waste" not in r for r in rows):
+    if any(not isinstance(r, Mapping) or "block_size" not in r or "waste" not in r
+           for r in _check_list("rows", rows, "padding_stats dicts")):
         raise ValueError("rows: every row needs 'block_size' and 'waste' (use padding_by_block_size)")
     bs = [r["block_size"] for r in rows]
     ax.plot(bs, [100 * r["waste"] for r in rows], marker="o", label=label, color=color)
@@ -316,12 +329,14 @@ def draw_assignment_cost(ax, costs: Mapping) -> None:
     if all("distinct_weights" in r for r in rows):
         ax.plot(m, col("distinct_weights"), "--", color="0.5", label="floor: each (adapter, expert) read once")
     E, k, L = costs["num_experts"], costs["top_k"], costs["num_loras"]
-    thr = E * L / (SPARSITY_FACTOR * k)
+    last = _last_naive_tokens(E, k, L)                          # vLLM's rule, via use_naive_assignment
+    thr = max(last, 0.5)
     ax.axvspan(min(m[0], thr) / 1.5, thr, color="tab:red", alpha=0.07)
-    ax.axvline(thr, color="tab:red", linestyle="--", linewidth=1.2,
-               label=f"vLLM: naive iff M·k·8 ≤ E·L  (M ≤ {thr:g})")
+    ax.axvline(thr, color="tab:red", linestyle="--", linewidth=1.5, zorder=3,
+               label=f"vLLM: naive iff M·k·8 ≤ E·L  (M ≤ {last})")
     if crossover is not None:
-        ax.axvline(crossover, color="black", linewidth=1.2, label=f"crossover: sorted loads fewer from M = {crossover}")
+        ax.axvline(crossover, color="black", linewidth=1.5, zorder=2,
+                   label=f"crossover: sorted loads fewer from M = {crossover}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     if len(m) <= 14:

@@ -1,0 +1,92 @@
+"""Shared pytest configuration.
+
+* nbval: when notebooks are compared (cells marked ``# NBVAL_CHECK_OUTPUT``),
+  ignore outputs that differ from run to run: HTML/JS reprs, widget views
+  and anything written to stderr (warnings, progress bars).
+* ``--gpu``: run on CUDA. Tests take the ``device`` fixture, which is
+  ``"cuda"`` with ``--gpu`` and ``"cpu"`` without it.
+* ``@pytest.mark.gpu`` (or the ``gpu`` fixture): skipped unless CUDA is
+  available.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+NBVAL_SKIP_COMPARE = (
+    "text/html",
+    "application/javascript",
+    "application/vnd.jupyter.widget-view+json",
+    "stderr",
+)
+
+
+@functools.cache
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+class _NbvalSkipCompare:
+    """Extends ``skip_compare`` of nbval's notebook collectors (see nbval docs).
+
+    Registered as a plugin rather than written as a conftest hook: conftest
+    hooks only see collectors below their own folder, and the notebooks live
+    outside ``tests/``.
+    """
+
+    @staticmethod
+    def pytest_collectstart(collector):
+        try:
+            from nbval.plugin import IPyNbFile
+        except ImportError:
+            return
+        if isinstance(collector, IPyNbFile):
+            collector.skip_compare += tuple(
+                k for k in NBVAL_SKIP_COMPARE if k not in collector.skip_compare
+            )
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--gpu",
+        action="store_true",
+        default=False,
+        help="run tests on CUDA (the `device` fixture returns 'cuda')",
+    )
+
+
+def pytest_configure(config):
+    if not config.pluginmanager.has_plugin("moelora-nbval-skip-compare"):
+        config.pluginmanager.register(_NbvalSkipCompare(), "moelora-nbval-skip-compare")
+    if config.getoption("--gpu", default=False) and not _cuda_available():
+        raise pytest.UsageError(
+            "--gpu was given but CUDA is not available "
+            "(torch.cuda.is_available() is False); drop --gpu to run on CPU."
+        )
+
+
+def pytest_collection_modifyitems(config, items):
+    marked = [item for item in items if item.get_closest_marker("gpu")]
+    if marked and not _cuda_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU")
+        for item in marked:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def gpu():
+    """Skip the requesting test unless CUDA is available."""
+    if not _cuda_available():
+        pytest.skip("needs a CUDA GPU")
+
+
+@pytest.fixture
+def device(request) -> str:
+    """``"cuda"`` when pytest runs with ``--gpu``, else ``"cpu"``."""
+    return "cuda" if request.config.getoption("--gpu") else "cpu"

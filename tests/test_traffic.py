@@ -1,0 +1,201 @@
+"""Hand-counted checks of the analytic traffic model (moelora_lab.profile.traffic)."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from moelora_lab.profile import Traffic, Workload, count_workload, layer_traffic, lora_op_traffic
+
+# Shared case: M=2 tokens, k=2, E=4 experts, L=2 adapters, both tokens on adapter 0.
+# Pairs (adapter, expert): (0,0) (0,1) | (0,1) (0,2)  -> P=4, distinct (adapter, expert)=3,
+# distinct experts {0,1,2}=3.
+TOPK = torch.tensor([[0, 1], [1, 2]])
+LORA = torch.tensor([0, 0])
+# Op sizes: K=8, N=4, r=2, S=2, b=2 bytes.
+OP = dict(in_features=8, out_features=4, num_slices=2, rank=2)
+
+
+@pytest.fixture
+def wl() -> Workload:
+    return count_workload(TOPK, LORA, num_experts=4, num_loras=2)
+
+
+def test_count_workload_shared_pair(wl):
+    assert wl == Workload(num_tokens=2, top_k=2, tokens_with_adapter=2, pairs_with_adapter=4,
+                          touched_adapter_experts=3, touched_experts=3)
+
+
+def test_count_workload_no_adapter_and_repeats():
+    # token 1 has no adapter: its experts (1, 2) count for touched_experts only.
+    # adapter pairs: (0,0) (0,1) (1,3) (1,0) -> 4 distinct; experts {0,1,2,3} -> 4.
+    w = count_workload(torch.tensor([[0, 1], [1, 2], [3, 0]]), torch.tensor([0, -1, 1]), 4, 2)
+    assert (w.tokens_with_adapter, w.pairs_with_adapter) == (2, 4)
+    assert (w.touched_adapter_experts, w.touched_experts) == (4, 4)
+    # every pair on expert 2 with adapter 1: one (adapter, expert), one expert, P = 4.
+    w = count_workload(torch.tensor([[2, 2], [2, 2]], dtype=torch.int32), torch.tensor([1, 1], dtype=torch.int32), 4, 2)
+    assert (w.pairs_with_adapter, w.touched_adapter_experts, w.touched_experts) == (4, 1, 1)
+    # no token has an adapter: nothing LoRA-touched, but expert 3 is still used by the base layer.
+    w = count_workload(torch.tensor([[3], [3]]), torch.tensor([-1, -1]), 4, 2)
+    assert (w.tokens_with_adapter, w.pairs_with_adapter, w.touched_adapter_experts, w.touched_experts) == (0, 0, 0, 1)
+
+
+def test_count_workload_errors():
+    with pytest.raises(ValueError, match=r"topk_ids: value 4 is out of range; accepted values are 0 \.\. 3"):
+        count_workload(torch.tensor([[0, 4]]), torch.tensor([0]), 4, 2)
+    with pytest.raises(ValueError, match=r"token_lora: value 2 is out of range; accepted values are -1 \.\. 1"):
+        count_workload(TOPK, torch.tensor([0, 2]), 4, 2)
+    with pytest.raises(ValueError, match=r"token_lora: expected shape \(2,\)"):
+        count_workload(TOPK, torch.tensor([0, 0, 0]), 4, 2)
+    with pytest.raises(TypeError, match="topk_ids: dtype torch.float32 is not supported"):
+        count_workload(TOPK.float(), LORA, 4, 2)
+    with pytest.raises(ValueError, match="num_experts: must be >= 1, got 0"):
+        count_workload(TOPK, LORA, 0, 2)
+
+
+def test_workload_dense():
+    # E=4, d=M*k=2: 4*(1-(3/4)^2) = 1.75 -> 2; E*L=8: 8*(1-(7/8)^2) = 1.875 -> 2.
+    w = Workload.dense(1, 2, 4, 2)
+    assert w == Workload(1, 2, 1, 2, 2, 2)
+    # E=8, d=64: 8*(1-(7/8)^64) = 7.9989 -> 8; E*L=32: 32*(1-(31/32)^64) = 27.79 -> 28.
+    w = Workload.dense(32, 2, 8, 4)
+    assert (w.pairs_with_adapter, w.touched_experts, w.touched_adapter_experts) == (64, 8, 28)
+    for m, k, e, n_l in [(0, 1, 1, 1), (1, 1, 64, 8), (3, 2, 16, 4), (4096, 8, 128, 16)]:
+        w = Workload.dense(m, k, e, n_l)
+        assert w.touched_experts <= min(e, m * k)
+        assert w.touched_adapter_experts <= min(e * n_l, m * k)
+    with pytest.raises(ValueError, match="top_k: must be <= 4, got 5"):
+        Workload.dense(2, 5, 4, 2)
+
+
+def test_workload_validation():
+    with pytest.raises(ValueError, match="tokens_with_adapter: must be <= 2, got 3"):
+        Workload(2, 2, 3, 4, 1, 1)
+    with pytest.raises(ValueError, match="touched_adapter_experts: must be <= 4, got 5"):
+        Workload(2, 2, 2, 4, 5, 1)
+    with pytest.raises(TypeError, match="num_tokens: expected an int, got float"):
+        Workload(2.0, 2, 2, 4, 1, 1)
+
+
+def test_one_shot(wl):
+    t = lora_op_traffic("one_shot", wl, **OP)
+    # x: X=2 tokens * K=8 * 2 B = 32
+    # W1 = S*r*K + S*N*r = 32 + 16 = 48 elements; 3 touched (adapter, expert): A 3*32*2=192, B 3*16*2=96
+    # out: P*S*N*b = 4*2*4*2 = 64 written, 64 read (add_inputs)
+    assert (t.part("x"), t.part("lora_a"), t.part("lora_b")) == (32, 192, 96)
+    assert (t.part("out_read"), t.part("out_write")) == (64, 64)
+    assert (t.bytes_read, t.bytes_written, t.bytes) == (384, 64, 448)
+    # 2*P*S*r*(K+N) = 2*4*2*2*12 = 384, + P*S*N = 32
+    assert (t.flops, t.launches) == (416, 1)
+    assert t.intensity == pytest.approx(416 / 448)
+
+
+def test_two_kernel_and_difference(wl):
+    t = lora_op_traffic("two_kernel", wl, **OP)
+    # intermediate [S, M, k, r] = 2*2*2*2 = 16 elements * 2 B = 32 zero-filled;
+    # shrink writes P*S*r*b = 4*2*2*2 = 32, expand reads 32.
+    assert (t.part("intermediate_zero"), t.part("intermediate_write"), t.part("intermediate_read")) == (32, 32, 32)
+    assert (t.bytes_read, t.bytes_written, t.flops, t.launches) == (416, 128, 416, 3)
+    one = lora_op_traffic("one_shot", wl, **OP)
+    assert t.bytes - one.bytes == 96
+    # fp32 intermediate: 2*2*2*2*4 = 64 zero, 4*2*2*4 = 64 write, 64 read
+    t32 = lora_op_traffic("two_kernel", wl, **OP, intermediate_bytes=4)
+    assert t32.bytes - one.bytes == 192
+
+
+def test_two_kernel_zero_fill_covers_tokens_without_adapter():
+    # M=3, k=2, token 1 has no adapter -> P=4, adapter pairs (0,0) (0,1) (1,3) (1,0): 4 distinct.
+    w = count_workload(torch.tensor([[0, 1], [1, 2], [3, 0]]), torch.tensor([0, -1, 1]), 4, 2)
+    t = lora_op_traffic("two_kernel", w, **OP)
+    # zero-fill the whole [S, M, k, r] buffer: 2*3*2*2*2 = 48; shrink writes / expand reads 4*2*2*2 = 32
+    assert (t.part("intermediate_zero"), t.part("intermediate_write"), t.part("intermediate_read")) == (48, 32, 32)
+    assert t.bytes - lora_op_traffic("one_shot", w, **OP).bytes == 112
+    # one_shot: x 2*8*2=32 + weights 4*48*2=384 + out 4*2*4*2=64 read + 64 written = 544
+    assert lora_op_traffic("one_shot", w, **OP).bytes == 544
+
+
+def test_small_batch_and_naive(wl):
+    sb = lora_op_traffic("small_batch", wl, **OP)
+    # weights per pair: P*W1*b = 4*48*2 = 384 (A 4*32*2=256, B 4*16*2=128)
+    assert (sb.part("lora_a"), sb.part("lora_b")) == (256, 128)
+    assert (sb.bytes_read, sb.bytes_written, sb.launches) == (32 + 384 + 64, 64, 1)
+    # (0, 1) is shared by two pairs, so per-pair weight reads exceed the one-shot reads by 1*48*2 = 96
+    assert sb.bytes - lora_op_traffic("one_shot", wl, **OP).bytes == 96
+    nv = lora_op_traffic("naive", wl, **OP)
+    # reads: x 32 + gather 384 + copy read 384 + fp32 intermediate 4*2*2*4 = 64 + out 64 = 928
+    # writes: copy 384 + intermediate 64 + out 64 = 512; launches 4*S + 1 = 9
+    assert (nv.bytes_read, nv.bytes_written, nv.flops, nv.launches) == (928, 512, 416, 9)
+    assert nv.part("lora_a_copy_write") == 256
+
+
+def test_x_rows_pair_and_no_add(wl):
+    t = lora_op_traffic("one_shot", wl, **OP, x_rows="pair", add_inputs=False, dtype_bytes=4)
+    # x: P=4 rows * 8 * 4 B = 128; weights 3*48*4 = 576; out written 4*2*4*4 = 128, not read
+    assert (t.part("x"), t.bytes_read, t.bytes_written) == (128, 704, 128)
+    assert t.flops == 384 and t.part("out_read") == 0
+
+
+def test_traffic_add_and_floor():
+    a = Traffic(10, 5, 100, 1, (("x", 10), ("y", 5)))
+    b = Traffic(1, 2, 3, 2, (("y", 2), ("z", 1)))
+    c = a + b
+    assert c == Traffic(11, 7, 103, 3, (("x", 10), ("y", 7), ("z", 1)))
+    assert sum([a, b]) == c
+    assert hash(c) == hash(Traffic(11, 7, 103, 3, (("x", 10), ("y", 7), ("z", 1))))
+    assert c.floor_us(1e6) == pytest.approx(18.0)  # 18 B at 1 MB/s = 18 us
+    assert Traffic(0, 0, 5, 0).intensity == 0.0
+    with pytest.raises(ValueError, match="bandwidth_bytes_per_s: must be > 0, got 0"):
+        c.floor_us(0)
+
+
+def test_lora_op_errors(wl):
+    with pytest.raises(ValueError, match="path: 'fused' is not one of 'naive', 'two_kernel', 'one_shot', 'small_batch'"):
+        lora_op_traffic("fused", wl, **OP)
+    with pytest.raises(ValueError, match="x_rows: 'tokens' is not one of 'token', 'pair'"):
+        lora_op_traffic("one_shot", wl, **OP, x_rows="tokens")
+    with pytest.raises(ValueError, match="rank: must be >= 1, got -1"):
+        lora_op_traffic("one_shot", wl, **{**OP, "rank": -1})
+    with pytest.raises(ValueError, match="dtype_bytes: must be >= 1, got 0"):
+        lora_op_traffic("one_shot", wl, **OP, dtype_bytes=0)
+    with pytest.raises(TypeError, match="add_inputs: expected a bool, got int 1"):
+        lora_op_traffic("one_shot", wl, **OP, add_inputs=1)
+    with pytest.raises(TypeError, match="workload: expected a Workload"):
+        lora_op_traffic("one_shot", (2, 2), **OP)
+
+
+SHAPE = SimpleNamespace(hidden=8, intermediate=4, num_experts=4, top_k=2)
+
+
+def test_layer_traffic(wl):
+    st = layer_traffic(SHAPE, 2, wl)
+    assert list(st) == ["base_w13", "lora_w13", "act", "base_w2", "lora_w2", "sum", "total", "floor"]
+    # base_w13: x 2*8*2=32 + w13 3*(2*4)*8*2=384 + c1 2*2*8*2=64 -> 480
+    # lora_w13: the one-shot op above -> 448
+    # act: read 64, write h 2*2*4*2=32 -> 96
+    # base_w2: h 32 + w2 3*8*4*2=192 + c3 2*2*8*2=64 -> 288
+    # lora_w2: x pairs 4*4*2=32; W1=1*2*4+1*8*2=24, 3*24*2=144; out 4*8*2=64 read + 64 write -> 304
+    # sum: read 64, write y 2*8*2=32 -> 96
+    bytes_ = {name: st[name].bytes for name in st}
+    assert bytes_ == {"base_w13": 480, "lora_w13": 448, "act": 96, "base_w2": 288, "lora_w2": 304,
+                      "sum": 96, "total": 1712, "floor": 1072}
+    stages = [st[n] for n in ["base_w13", "lora_w13", "act", "base_w2", "lora_w2", "sum"]]
+    assert st["total"] == sum(stages)
+    # floor: x 32 + base 3*(8*8 + 8*4)*2 = 576 + LoRA 3*(48+24)*2 = 432 + y 32 = 1072
+    assert st["floor"].bytes <= st["total"].bytes
+    assert st["floor"].flops == st["total"].flops
+    # flops: 2*2*2*8*8=512, 416, 5*2*2*4=80, 2*2*2*8*4+2*2*8=288, lora_w2 2*4*1*2*12+4*8=224, 2*1*8=16
+    assert st["total"].flops == 512 + 416 + 80 + 288 + 224 + 16
+
+
+def test_layer_traffic_without_lora_and_errors(wl):
+    st = layer_traffic(SHAPE, 2, wl, with_lora=False)
+    assert list(st) == ["base_w13", "act", "base_w2", "sum", "total", "floor"]
+    # 480 + 96 + 288 + 96 = 960; floor 32 + 576 + 32 = 640
+    assert (st["total"].bytes, st["floor"].bytes) == (960, 640)
+    nv = layer_traffic(SHAPE, 2, wl, lora_path="naive")
+    assert nv["lora_w13"] == lora_op_traffic("naive", wl, **OP)
+    with pytest.raises(ValueError, match="workload: top_k is 2 but shape.top_k is 3"):
+        layer_traffic(SimpleNamespace(hidden=8, intermediate=4, num_experts=4, top_k=3), 2, wl)
+    with pytest.raises(TypeError, match="shape: expected an object with .*missing 'hidden'"):
+        layer_traffic(SimpleNamespace(intermediate=4, num_experts=4, top_k=2), 2, wl)
+    with pytest.raises(ValueError, match="lora_path: 'bmm' is not one of"):
+        layer_traffic(SHAPE, 2, wl, lora_path="bmm")
