@@ -10,7 +10,6 @@ import torch
 
 from ._backend import INTERPRET
 from ._checks import check_int
-from .routing import use_naive_assignment
 
 PATHS = ("naive", "two_kernel", "one_shot", "small_batch", "auto")
 
@@ -73,25 +72,28 @@ def num_sms(device: torch.device) -> int:
     return 2
 
 
-# Measured on one H200 (bf16, 4 adapters, qwen3-30b-a3b and deepseek-v2-lite shapes, w13 and w2,
-# M = 1 .. 8192, r = 16 .. 256; moelora_lab/data/h200/tune.csv and kernels.csv):
-# * the one-shot kernel is fastest, or within a few percent, for r <= 64 at every M, and for every r
-#   once M*k > 4096 (there the two-kernel path pays for re-reading T and B per N tile);
-# * for r >= 128 with few pairs per (adapter, expert), the two-kernel path wins by up to 1.6x: its
-#   shrink spreads the wide rank over programs (rank tiles in the grid), while the fused kernel walks
-#   its rank tiles one after another inside one program;
-# * the small-batch GEMV kernel never won (1.2-2.5x slower than one-shot even at M = 1): tensor-core
-#   tiles that are 1/16 full still beat CUDA-core reductions, so ``auto`` never picks it.
+# Derived from one H200 sweep (bf16, 4 adapters, qwen3-30b-a3b and deepseek-v2-lite shapes, w13 and
+# w2, M = 1 .. 8192, r = 16 .. 256; moelora_lab/data/h200/kernels.csv and tune.csv):
+# * one-shot is fastest, or within ~10%, for r < 64 at every M, for every r at M = 1, and for every
+#   r once M*k > 4096 (there the two-kernel path pays for T and for re-reading B per N tile);
+# * for r >= 64 with a few to a few thousand pairs, the two-kernel path wins by up to 1.8x: its
+#   shrink spreads the rank over programs (rank tiles in the grid), while the fused kernel walks
+#   its rank tiles one after another inside one program and recomputes the shrink per N chunk;
+# * the small-batch GEMV kernel never won (1.2-2.5x slower than one-shot even at M = 1: 1/16-full
+#   tensor-core tiles still beat CUDA-core reductions), so ``auto`` never picks it;
 # * the fused kernel needs enough programs: with few blocks, split N into chunks until there are
-#   ~4 programs per SM (each chunk recomputes its shrink, which is cheap next to the expand).
-TWO_KERNEL_MIN_RANK = 128
+#   ~4 programs per SM (each chunk recomputes its shrink, cheap next to the expand at small M).
+TWO_KERNEL_MIN_RANK = 64
+TWO_KERNEL_MIN_PAIRS = 32
 TWO_KERNEL_MAX_PAIRS = 4096
 PROGRAMS_PER_SM = 4
 
 
 def choose_path(num_pairs: int, num_experts: int, num_loras: int, rank: int) -> str:
-    """The ``auto`` rule (see the measurements above): one-shot, except wide ranks with few pairs."""
-    if rank >= TWO_KERNEL_MIN_RANK and num_pairs <= TWO_KERNEL_MAX_PAIRS:
+    """The ``auto`` rule (see the measurements above): one-shot, except r >= 64 with 32..4096 pairs
+    (r >= 128: 1..4096 pairs), where the two-kernel path's wider grid wins."""
+    min_pairs = 1 if rank >= 2 * TWO_KERNEL_MIN_RANK else TWO_KERNEL_MIN_PAIRS
+    if rank >= TWO_KERNEL_MIN_RANK and min_pairs <= num_pairs <= TWO_KERNEL_MAX_PAIRS:
         return "two_kernel"
     return "one_shot"
 

@@ -146,6 +146,9 @@ def test_shared_alignment_and_naive_blocks(device):
 def test_auto_uses_the_documented_rule(device):
     from moelora_lab.dispatch import choose_path
     assert choose_path(num_pairs=8, num_experts=128, num_loras=4, rank=16) == "one_shot"
+    assert choose_path(num_pairs=8, num_experts=128, num_loras=4, rank=64) == "one_shot"
+    assert choose_path(num_pairs=64, num_experts=128, num_loras=4, rank=64) == "two_kernel"
+    assert choose_path(num_pairs=8, num_experts=128, num_loras=4, rank=128) == "two_kernel"
     assert choose_path(num_pairs=4096, num_experts=128, num_loras=4, rank=256) == "two_kernel"
     assert choose_path(num_pairs=4097, num_experts=128, num_loras=4, rank=256) == "one_shot"
     p = lora_case(40, device=device, seed=8)
