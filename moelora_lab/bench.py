@@ -188,7 +188,22 @@ def parse_args(argv):
                    help="widest rank tile; 512 means one tile up to r = 512 (no rank tiling)")
     g.add_argument("--out", type=Path, default=DEFAULT_OUT)
     g.add_argument("--name", default="registers")
+    y = sub.add_parser("layer", help="the MoE layer: no LoRA, sequential, dual stream, join variants; timelines")
+    y.add_argument("--presets", nargs="+", default=["qwen3-30b-a3b"])
+    y.add_argument("--tokens", nargs="+", type=int, default=[1, 16, 64, 128, 512, 2048, 8192])
+    y.add_argument("--ranks", nargs="+", type=int, default=[16, 64])
+    y.add_argument("--loras", type=int, default=4)
+    y.add_argument("--variants", nargs="+", default=None, help="subset of bench_layer.VARIANTS")
+    y.add_argument("--trace-tokens", nargs="+", type=int, default=[16, 2048])
+    y.add_argument("--trace-ranks", nargs="+", type=int, default=[16, 64])
+    y.add_argument("--seed", type=int, default=0)
+    y.add_argument("--max-seconds", type=float, default=1e9, help="stop starting new cases after this long")
+    y.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    y.add_argument("--name", default="layer")
     args = p.parse_args(argv)
+    if args.what == "layer":
+        from .bench_layer import VARIANTS
+        args.variants = args.variants or list(VARIANTS)
     args.argv = list(argv)
     return args
 
@@ -200,10 +215,23 @@ def main(argv=None) -> int:
         print("the benchmark times CUDA kernels and needs a GPU; on the CPU, read the committed CSVs under "
               f"{DEFAULT_OUT} (the notebooks plot them)", file=sys.stderr)
         return 2
-    rows = run_kernels(args) if args.what == "kernels" else run_registers(args)
+    if args.what == "layer":
+        from .bench_layer import run_layer
+        from .profile.timeline import save_traces
+        rows, traces = run_layer(args)
+        args.out.mkdir(parents=True, exist_ok=True)
+        if traces:
+            save_traces(traces, args.out / f"{args.name}_traces.json")
+    else:
+        rows = run_kernels(args) if args.what == "kernels" else run_registers(args)
     csv_path = args.out / f"{args.name}.csv"
     write_csv(rows, csv_path)
     print(f"wrote {csv_path} ({len(rows)} rows)", file=sys.stderr)
+    if args.what == "layer":
+        from .plots.layer import save_layer_plots
+        for png in save_layer_plots(rows, args.out, args.name):
+            print(f"wrote {png}", file=sys.stderr)
+        return 0
     if args.what != "kernels" or args.tune:
         return 0
     try:

@@ -160,7 +160,6 @@ def moe_lora(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, *, path: str
         _check_output(output, M, k, S * N, x)
     if M == 0:
         return output
-    token_rows = not (x.shape[0] == num_pairs and k > 1)
     if path == "auto":
         path = choose_path(num_pairs, E, L, R)
     if path == "naive":
@@ -180,6 +179,27 @@ def moe_lora(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, *, path: str
                  add_inputs=add_inputs, alignment=alignment, config=config)
         return output.copy_(out32)
 
+    if alignment is None and path != "small_batch":
+        cfg = config or choose_config(path, num_pairs, min(num_pairs, L * E), N, S, x.device)
+        alignment = block_list(topk_ids, token_lora, E, L, cfg.block_m)
+    run_lora(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, output, alignment, path, config,
+             mul_routed_weight=mul_routed_weight, add_inputs=add_inputs)
+    return output
+
+
+def run_lora(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, output, blocks, path, config=None, *,
+             mul_routed_weight=False, add_inputs=True):
+    """Launch one Triton path on inputs that were already validated (no host synchronisation).
+
+    ``blocks`` is the :class:`BlockList` for 'one_shot' / 'two_kernel' (ignored by 'small_batch');
+    ``config=None`` picks tiles from the shapes. Used by :func:`moe_lora` and by the layer, which
+    validates once and shares one BlockList between w13 and w2.
+    """
+    M, k = topk_ids.shape
+    L, E, R, K = lora_a[0].shape
+    N, S = lora_b[0].shape[2], len(lora_a)
+    num_pairs = M * k
+    token_rows = not (x.shape[0] == num_pairs and k > 1)
     weights = topk_weights.reshape(-1).float().contiguous()
     out2d = output.view(num_pairs, S * N)
     kw = dict(top_k=k, token_rows=token_rows, mul=mul_routed_weight, add=add_inputs)
@@ -187,14 +207,8 @@ def moe_lora(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, *, path: str
         cfg = config or choose_config(path, num_pairs, num_pairs, N, S, x.device)
         _launch_small_batch(x, lora_a, lora_b, out2d, weights, topk_ids.reshape(-1).to(torch.int32).contiguous(),
                             token_lora.to(torch.int32).contiguous(), cfg, **kw)
-        return output
-    if alignment is None:
-        groups = min(num_pairs, L * E)
-        cfg = config or choose_config(path, num_pairs, groups, N, S, x.device)
-        alignment = block_list(topk_ids, token_lora, E, L, cfg.block_m)
-    else:
-        cfg = (config or choose_config(path, num_pairs, min(num_pairs, L * E), N, S, x.device))
-        cfg = cfg.replace(block_m=block_m)
+        return
+    cfg = (config or choose_config(path, num_pairs, min(num_pairs, L * E), N, S, x.device))
+    cfg = cfg.replace(block_m=blocks.block_size)
     launch = _launch_one_shot if path == "one_shot" else _launch_two_kernel
-    launch(x, lora_a, lora_b, out2d, weights, alignment, cfg, **kw)
-    return output
+    launch(x, lora_a, lora_b, out2d, weights, blocks, cfg, **kw)

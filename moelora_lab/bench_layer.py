@@ -1,0 +1,127 @@
+"""``python -m moelora_lab.bench layer``: the whole MoE layer with and without LoRA, and its timelines.
+
+Variants per (preset, M, rank), each timed as a CUDA-graph replay with L2 flushed (median, p20, p80):
+  no_lora                 the base layer alone (grouped GEMMs, activation, top-k sum)
+  sequential / dual_stream                 LoRA with our folded join, one stream or two
+  sequential_vllm_join / dual_stream_vllm_join   LoRA with vLLM's join (zero-fill + add passes)
+  base_gemms              our two grouped GEMMs alone, next to
+  grouped_mm              torch._grouped_mm on rows already grouped by expert (a strong reference)
+Routing metadata is built once per case outside the timed region (``plan_layer``) and timed apart
+as ``plan``. Timelines of the sequential and dual-stream layer are captured for ``--trace-tokens``
+x ``--trace-ranks`` and saved to one JSON file.
+
+Shape legend: M tokens, E experts, k top-k, L adapters, r rank, H hidden, I expert intermediate.
+"""
+from __future__ import annotations
+
+import shlex
+import sys
+import time
+
+import torch
+
+VARIANTS = ("no_lora", "sequential", "dual_stream", "sequential_vllm_join", "dual_stream_vllm_join",
+            "base_gemms", "grouped_mm", "plan")
+
+
+def _weights(shape, L, rank, gen):
+    E, H, I = shape.num_experts, shape.hidden, shape.intermediate
+    rnd = lambda *s, fan: torch.randn(*s, device="cuda", generator=gen, dtype=torch.bfloat16) / fan ** 0.5
+    lora = dict(w13_lora_a=[rnd(L, E, rank, H, fan=H) for _ in range(2)],
+                w13_lora_b=[rnd(L, E, I, rank, fan=rank) for _ in range(2)],
+                w2_lora_a=[rnd(L, E, rank, I, fan=I)], w2_lora_b=[rnd(L, E, H, rank, fan=rank)])
+    return lora
+
+
+def _grouped_mm_fn(x, h, topk_ids, w13, w2):
+    """The base GEMMs through torch._grouped_mm on rows pre-grouped by expert (grouping not timed)."""
+    k = topk_ids.shape[1]
+    experts = topk_ids.reshape(-1).long()
+    order = torch.sort(experts, stable=True).indices
+    xs, hs = x[order // k].contiguous(), h[order].contiguous()
+    offs = torch.cumsum(torch.bincount(experts, minlength=w13.shape[0]), 0).to(torch.int32)
+    b13, b2 = w13.transpose(1, 2), w2.transpose(1, 2)
+    return lambda: (torch._grouped_mm(xs, b13, offs=offs), torch._grouped_mm(hs, b2, offs=offs))
+
+
+def run_layer(args) -> tuple[list[dict], dict]:
+    from tqdm.auto import tqdm
+
+    from .config import MoEShape, make_routing
+    from .layer import moe_lora_layer, plan_layer
+    from .moe import gemm_tiles, moe_gemm
+    from .profile.timeline import capture_timeline, overlap_metrics
+    from .profile.timing import copy_bandwidth, provenance, time_cuda
+    from .profile.traffic import count_workload, layer_traffic
+
+    prov = provenance("python -m moelora_lab.bench " + " ".join(shlex.quote(a) for a in args.argv))
+    copy_bps = copy_bandwidth()
+    gen = torch.Generator(device="cuda").manual_seed(args.seed)
+    rows, traces = [], {}
+    cases = [(p, r, m) for p in args.presets for r in args.ranks for m in args.tokens]
+    start = time.monotonic()
+    for preset, rank, M in tqdm(cases, desc="layer", unit="case"):
+        if time.monotonic() - start > args.max_seconds:
+            print(f"time budget of {args.max_seconds} s spent: skipping the remaining cases", file=sys.stderr)
+            break
+        shape = MoEShape.from_name(preset)
+        E, H, I, k, L = shape.num_experts, shape.hidden, shape.intermediate, shape.top_k, args.loras
+        if not rows or rows[-1]["preset"] != preset:
+            w13 = torch.randn(E, 2 * I, H, device="cuda", generator=gen, dtype=torch.bfloat16) / H ** 0.5
+            w2 = torch.randn(E, H, I, device="cuda", generator=gen, dtype=torch.bfloat16) / I ** 0.5
+        lora = _weights(shape, L, rank, gen)
+        rt = make_routing(shape, L, M, seed=args.seed + M, num_sequences=min(M, 8))
+        ids, tw, tl = (rt[n].cuda() for n in ("topk_ids", "topk_weights", "token_lora"))
+        x = torch.randn(M, H, device="cuda", generator=gen, dtype=torch.bfloat16)
+        plan_l = plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I)
+        plan_b = plan_layer(ids, tl, E, None, None)
+        base = (x, ids, tw, tl, w13, w2)
+        h = torch.randn(M * k, I, device="cuda", generator=gen, dtype=torch.bfloat16)
+        c1 = torch.empty(M * k, 2 * I, device="cuda", dtype=torch.bfloat16)
+        c3 = torch.empty(M * k, H, device="cuda", dtype=torch.bfloat16)
+        tiles, wflat = gemm_tiles(M * k, E), tw.reshape(-1).contiguous()
+        fns = {
+            "no_lora": lambda: moe_lora_layer(*base, plan=plan_b),
+            "sequential": lambda: moe_lora_layer(*base, **lora, schedule="sequential", plan=plan_l),
+            "dual_stream": lambda: moe_lora_layer(*base, **lora, schedule="dual_stream", plan=plan_l),
+            "sequential_vllm_join": lambda: moe_lora_layer(*base, **lora, schedule="sequential", join="vllm",
+                                                           plan=plan_l),
+            "dual_stream_vllm_join": lambda: moe_lora_layer(*base, **lora, schedule="dual_stream", join="vllm",
+                                                            plan=plan_l),
+            "base_gemms": lambda: (moe_gemm(x, w13, plan_b.base_blocks, c1, top_k=k, tiles=tiles),
+                                   moe_gemm(h, w2, plan_b.base_blocks, c3, top_k=k, topk_weights=wflat,
+                                            tiles=tiles)),
+            "grouped_mm": _grouped_mm_fn(x, h, ids, w13, w2),
+            "plan": lambda: plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I),
+        }
+        work = count_workload(ids, tl, E, L)
+        floors = {True: layer_traffic(shape, rank, work, lora_path=plan_l.lora_path)["floor"],
+                  False: layer_traffic(shape, rank, work, with_lora=False)["floor"]}
+        for name in args.variants:
+            error = ""
+            try:
+                t = time_cuda(fns[name])
+                med, p20, p80 = round(t.median_us, 2), round(t.p20_us, 2), round(t.p80_us, 2)
+            except Exception as exc:   # e.g. torch._grouped_mm missing on an older torch: record, go on
+                med = p20 = p80 = ""
+                error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+            floor = floors[name not in ("no_lora", "base_gemms", "grouped_mm", "plan")]
+            rows.append(dict(preset=preset, M=M, rank=rank, loras=L, variant=name, lora_path=plan_l.lora_path,
+                             us_median=med, us_p20=p20, us_p80=p80, floor_bytes=floor.bytes,
+                             floor_us=round(floor.floor_us(copy_bps), 2), copy_tbps=round(copy_bps / 1e12, 4),
+                             error=error, **prov))
+        if M in args.trace_tokens and rank in args.trace_ranks:
+            for sched in ("sequential", "dual_stream"):
+                run = (lambda tr, s=sched: moe_lora_layer(*base, **lora, schedule=s, plan=plan_l, tracer=tr))
+                try:
+                    recs = capture_timeline(run)
+                except Exception as exc:  # keep the timings even if a trace fails
+                    print(f"trace {preset} M={M} r={rank} {sched} failed: {exc}", file=sys.stderr)
+                    continue
+                meta = dict(preset=preset, M=M, rank=rank, loras=L, schedule=sched, lora_path=plan_l.lora_path,
+                            floor_us=round(floors[True].floor_us(copy_bps), 2), **prov)
+                traces[f"{preset}_M{M}_r{rank}_{sched}"] = dict(meta=meta, records=recs,
+                                                                metrics=overlap_metrics(recs))
+        del lora
+        torch.cuda.empty_cache()
+    return rows, traces

@@ -1,0 +1,220 @@
+"""The MoE layer with LoRA on its routed experts, run on one stream or two.
+
+Shape legend: M tokens, E experts, k top-k, L adapters, r rank, H hidden, I expert intermediate,
+P = M*k pairs.
+
+    c1 = W13[e] x_t            (base, main stream)   d13 = B13 A13 x_t       (LoRA, side stream)
+    h  = silu(c1g + d13g) * (c1u + d13u)             -- the join of the w13 pair
+    c3 = w * W2[e] h           (base, main stream)   d2  = w * B2 A2 h       (LoRA, side stream)
+    y  = sum_j c3 + d2                               -- the join of the w2 pair
+
+Schedules: ``sequential`` runs everything on the current stream; ``dual_stream`` runs the LoRA ops
+on one process-wide side stream, forked and joined with CUDA events, so they can overlap the base
+GEMMs; ``auto`` is dual-stream on a GPU and sequential elsewhere. Both schedules launch the same
+kernels on the same buffers, so their results are bitwise equal.
+
+Joins: ``fold`` (ours) lets the LoRA kernels write their deltas only for pairs with an adapter
+into uninitialised buffers, and the activation and the top-k sum read the delta where the token has
+an adapter: no memset, no extra pass. ``vllm`` reproduces vLLM's join for comparison: zero-fill a
+delta buffer, LoRA writes into it, then ``c += delta`` before the activation and before the sum.
+
+Buffer lifetimes: every tensor the side stream touches is either allocated on the main stream
+before the fork (so the caching allocator orders its reuse after the main stream's next work) or
+allocated on the side stream itself; the main stream waits for the side stream's event before it
+reads a delta and before the function returns, so no buffer is released while the side stream may
+still use it, and no ``record_stream`` is needed. Events are created per call, which keeps them
+valid under CUDA-graph capture and replay.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from ._backend import INTERPRET
+from ._checks import check_choice, check_tensor
+from .dispatch import choose_config, choose_path
+from .moe import gemm_tiles, moe_gemm, silu_and_mul, topk_sum
+from .ops import run_lora
+from .reference import _check_layer, check_lora_weights
+from .routing import BlockList, block_list, check_routing
+
+SCHEDULES = ("sequential", "dual_stream", "auto")
+JOINS = ("fold", "vllm")
+_AUX_STREAMS: dict = {}
+
+
+def aux_stream(device: torch.device) -> "torch.cuda.Stream":
+    """The one side stream of this process for ``device`` (one is enough: more would only compete)."""
+    key = torch.device(device).index or 0
+    if key not in _AUX_STREAMS:
+        _AUX_STREAMS[key] = torch.cuda.Stream(device=device)
+    return _AUX_STREAMS[key]
+
+
+def resolve_schedule(schedule: str, device: torch.device) -> str:
+    check_choice("schedule", schedule, SCHEDULES)
+    gpu = device.type == "cuda" and not INTERPRET
+    if schedule == "auto":
+        return "dual_stream" if gpu else "sequential"
+    if schedule == "dual_stream" and not gpu:
+        warnings.warn("schedule='dual_stream' needs CUDA streams; on the CPU the layer runs sequentially "
+                      "(same kernels, same results)", RuntimeWarning, stacklevel=3)
+        return "sequential"
+    return schedule
+
+
+class _Streams:
+    """Fork / join helper. ``fork()`` marks the point the side work depends on (record it before
+    enqueuing the base GEMM, so both can start together); ``side(name, fork)`` runs work on the side
+    stream after that point; ``join()`` makes the main stream wait for it."""
+
+    def __init__(self, dual: bool, device, tracer=None):
+        self.dual, self.tracer = dual, tracer
+        self.main = torch.cuda.current_stream(device) if dual else None
+        self.aux = aux_stream(device) if dual else None
+
+    def fork(self):
+        if not self.dual:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.main)
+        return event
+
+    @contextlib.contextmanager
+    def side(self, name: str, fork):
+        if not self.dual:
+            with self.stage(name, "lora"):
+                yield
+            return
+        self.aux.wait_event(fork)
+        with torch.cuda.stream(self.aux), self.stage(name, "lora"):
+            yield
+        self.joined = torch.cuda.Event()
+        self.joined.record(self.aux)
+
+    def join(self):
+        if self.dual:
+            self.main.wait_event(self.joined)
+
+    def stage(self, name, lane):
+        return self.tracer.stage(name, lane) if self.tracer is not None else contextlib.nullcontext()
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """Routing metadata of one layer call, computed once and shared by w13 and w2."""
+
+    base_blocks: BlockList           # pairs grouped by expert, for the base GEMMs
+    lora_blocks: BlockList | None    # pairs grouped by (adapter, expert), for the LoRA ops
+    lora_path: str | None            # 'one_shot', 'two_kernel' or 'small_batch'
+
+
+def plan_layer(topk_ids, token_lora, num_experts: int, num_loras: int | None, rank: int | None, *,
+               hidden: int | None = None, intermediate: int | None = None, lora_path: str = "auto") -> LayerPlan:
+    """Build the routing metadata (and pick the LoRA path) for :func:`moe_lora_layer`.
+
+    ``num_loras=None`` plans a layer without LoRA. Reuse a plan across calls with the same routing
+    (benchmarks, CUDA graphs that capture only the layer's kernels).
+    """
+    M, k = topk_ids.shape
+    P = M * k
+    tiles = gemm_tiles(P, num_experts)
+    base = block_list(topk_ids, torch.zeros_like(token_lora), num_experts, 1, tiles["BLOCK_M"])
+    if num_loras is None:
+        return LayerPlan(base, None, None)
+    path = choose_path(P, num_experts, num_loras, rank) if lora_path == "auto" else lora_path
+    cfg = choose_config(path, P, min(P, num_loras * num_experts), intermediate or 1, 2,
+                        topk_ids.device)
+    return LayerPlan(base, block_list(topk_ids, token_lora, num_experts, num_loras, cfg.block_m), path)
+
+
+def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=None, w13_lora_b=None,
+                   w2_lora_a=None, w2_lora_b=None, *, schedule: str = "auto", join: str = "fold",
+                   lora_path: str = "auto", plan: LayerPlan | None = None, tracer=None) -> torch.Tensor:
+    """One MoE layer with LoRA on w13 (2 slices) and w2 (1 slice): y [M, H] in x's dtype.
+
+    Without LoRA weights it is the plain MoE layer. ``plan`` (from :func:`plan_layer`) skips the
+    routing-metadata work and the id-range checks (which synchronise with the GPU); ``tracer``
+    (see ``profile.timeline``) records per-stream intervals of every stage.
+    """
+    E, H, I = _check_layer(x, topk_ids, w13, w2)
+    check_tensor("w13", w13, dtypes=(x.dtype,), legend="[E, 2I, H] in x's dtype")
+    check_tensor("w2", w2, dtypes=(x.dtype,), legend="[E, H, I] in x's dtype")
+    check_choice("join", join, JOINS)
+    check_choice("lora_path", lora_path, ("auto", "one_shot", "two_kernel", "small_batch"))
+    lora_given = [t is not None for t in (w13_lora_a, w13_lora_b, w2_lora_a, w2_lora_b)]
+    if any(lora_given) and not all(lora_given):
+        raise ValueError("w13_lora_a, w13_lora_b, w2_lora_a, w2_lora_b: give all four or none")
+    with_lora = all(lora_given)
+    L = 2**31 - 1                                    # without LoRA any adapter id is accepted
+    if with_lora:
+        L, _, r, _, n13, s13 = check_lora_weights(w13_lora_a, w13_lora_b, num_experts=E, in_features=H)
+        _, _, r2, _, n2, s2 = check_lora_weights(w2_lora_a, w2_lora_b, num_experts=E, in_features=I)
+        if (s13, n13, s2, n2, r2) != (2, I, 1, H, r):
+            raise ValueError(f"LoRA weights: expected w13 slices 2 x [L, E, r, {H}] / [L, E, {I}, r] and w2 "
+                             f"1 x [L, E, r, {I}] / [L, E, {H}, r] with one rank; got S={s13}, N={n13}, "
+                             f"S={s2}, N={n2}, r={r}/{r2}")
+        if w13_lora_a[0].dtype != x.dtype:
+            raise TypeError(f"w13_lora_a[0]: dtype {w13_lora_a[0].dtype} must equal x's dtype {x.dtype}")
+    if plan is None:
+        check_routing(topk_ids, token_lora, E, L, topk_weights)
+    elif not isinstance(plan, LayerPlan) or (with_lora and plan.lora_blocks is None):
+        raise TypeError("plan: expected a LayerPlan from plan_layer(...) made with the layer's num_loras and rank")
+    if x.device.type != "cuda" and not INTERPRET:
+        raise ValueError(f"x: the layer's Triton kernels need CUDA tensors (got {x.device}); set "
+                         "MOELORA_INTERPRET=1 before importing moelora_lab to run them on the CPU")
+    dual = resolve_schedule(schedule, x.device) == "dual_stream" and with_lora
+    if INTERPRET and x.dtype == torch.bfloat16:
+        raise TypeError("x: bfloat16 is mis-computed by the Triton interpreter; use float32 or float16 on the CPU")
+
+    M, k = topk_ids.shape
+    P = M * k
+    weights = topk_weights.reshape(-1).float().contiguous()
+    if plan is None:
+        plan = plan_layer(topk_ids, token_lora, E, L if with_lora else None, r if with_lora else None,
+                          hidden=H, intermediate=I, lora_path=lora_path)
+    tiles = gemm_tiles(P, E)
+    base_blocks, lora_blocks, path = plan.base_blocks, plan.lora_blocks, plan.lora_path
+    streams = _Streams(dual, x.device, tracer)
+    c1 = torch.empty(P, 2 * I, dtype=x.dtype, device=x.device)
+    h = torch.empty(P, I, dtype=x.dtype, device=x.device)
+    c3 = torch.empty(P, H, dtype=x.dtype, device=x.device)
+    y = torch.empty(M, H, dtype=x.dtype, device=x.device)
+    d13 = d2 = None
+    if with_lora:
+        alloc = torch.zeros if join == "vllm" else torch.empty       # vLLM's join needs zeroed deltas
+        d13 = alloc(M, k, 2 * I, dtype=x.dtype, device=x.device)
+        d2 = alloc(M, k, H, dtype=x.dtype, device=x.device)
+
+    fork = streams.fork()                        # x, routing and buffers are ready
+    with streams.stage("base_w13", "main"):
+        moe_gemm(x, w13, base_blocks, c1, top_k=k, tiles=tiles)
+    if with_lora:
+        with streams.side("lora_w13", fork):
+            run_lora(x, topk_ids, topk_weights, token_lora, w13_lora_a, w13_lora_b, d13, lora_blocks, path,
+                     mul_routed_weight=False, add_inputs=False)
+        streams.join()
+    delta13 = d13.view(P, 2 * I) if with_lora else None
+    with streams.stage("act", "main"):
+        if with_lora and join == "vllm":
+            c1.add_(delta13)
+            delta13 = None
+        silu_and_mul(c1, h, top_k=k, delta=delta13, token_lora=token_lora)
+    fork = streams.fork()                        # h is ready
+    with streams.stage("base_w2", "main"):
+        moe_gemm(h, w2, base_blocks, c3, top_k=k, topk_weights=weights, tiles=tiles)
+    if with_lora:
+        with streams.side("lora_w2", fork):
+            run_lora(h, topk_ids, topk_weights, token_lora, w2_lora_a, w2_lora_b, d2, lora_blocks, path,
+                     mul_routed_weight=True, add_inputs=False)
+        streams.join()
+    delta2 = d2.view(P, H) if with_lora else None
+    with streams.stage("sum", "main"):
+        if with_lora and join == "vllm":
+            c3.add_(delta2)
+            delta2 = None
+        topk_sum(c3, y, top_k=k, delta=delta2, token_lora=token_lora)
+    return y

@@ -1,0 +1,266 @@
+"""HBM-traffic pictures: where the bytes of a LoRA op go, and how the byte model compares with time.
+
+Shape legend: M tokens, E experts, k top-k, L adapters, r rank, K in, N out, S slices, T the rank
+intermediate [S, M*k, r] of the two-kernel path.
+
+``traffic_table`` evaluates the byte model (``profile.traffic``) per M and path; the ``draw_*``
+functions draw on the Axes they are given and return None. Measured rows are dicts as read by
+``moelora_lab.bench.read_csv`` from the committed H200 CSVs.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from matplotlib.axes import Axes
+from matplotlib.patches import Patch
+from matplotlib.ticker import NullLocator
+
+from .._checks import check_choice, check_int
+from ..config import MoEShape, make_routing
+from ..profile.traffic import LORA_PATHS, Traffic, Workload, count_workload, lora_op_traffic
+from .bench import PATH_STYLE, select
+
+OPS = ("w13", "w2")
+ROUTINGS = ("dense", "sweep")
+UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9}
+# byte parts of lora_op_traffic, bottom to top: (name, colour, hatch, legend label)
+PARTS = (
+    ("x", "#9ecae1", "", "x rows"),
+    ("lora_a", "#a1d99b", "", "A weights"),
+    ("lora_b", "#41ab5d", "", "B weights"),
+    ("lora_a_copy_write", "#e5f5e0", "..", "per-pair weight copies"),
+    ("lora_b_copy_write", "#e5f5e0", "..", None),
+    ("lora_a_copy_read", "#e5f5e0", "..", None),
+    ("lora_b_copy_read", "#e5f5e0", "..", None),
+    ("intermediate_zero", "#fcbba1", "//", "T zero-fill"),
+    ("intermediate_write", "#fb6a4a", "//", "T write (shrink)"),
+    ("intermediate_read", "#a50f15", "//", "T read (expand)"),
+    ("out_read", "#cbc9e2", "", "out read"),
+    ("out_write", "#6a51a3", "", "out write"),
+)
+GROUPS = {"x": ("x",), "weights": ("lora_a", "lora_b"), "intermediate": ("intermediate_zero",
+          "intermediate_write", "intermediate_read"), "out": ("out_read", "out_write")}
+
+
+def _check_ax(ax) -> None:
+    if not isinstance(ax, Axes):
+        raise TypeError(f"ax: expected a matplotlib Axes (e.g. fig.add_subplot()), got {type(ax).__name__}")
+
+
+def _tokens_axis(ax) -> None:
+    """Log2 M axis ticked at the M values drawn (plain numbers), when there are few of them."""
+    ax.set_xscale("log", base=2)
+    ms = sorted({float(x) for line in ax.get_lines() for x in line.get_xdata() if x > 0})
+    if 0 < len(ms) <= 12:
+        ax.set_xticks(ms, [f"{m:g}" for m in ms])
+        ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xlabel("tokens M")
+
+
+def _check_rows(name: str, rows, keys: Sequence[str]) -> list:
+    if isinstance(rows, (str, bytes, Mapping)) or not isinstance(rows, Sequence) or not rows:
+        raise TypeError(f"{name}: expected a non-empty list of dicts, got {type(rows).__name__}")
+    for i, row in enumerate(rows):
+        missing = [k for k in keys if not isinstance(row, Mapping) or k not in row]
+        if missing:
+            raise ValueError(f"{name}[{i}]: missing key(s) {', '.join(missing)}; expected rows with {', '.join(keys)}")
+    return list(rows)
+
+
+def _shape(shape) -> MoEShape:
+    if isinstance(shape, str):
+        return MoEShape.from_name(shape)
+    if not isinstance(shape, MoEShape):
+        raise TypeError(f"shape: expected a MoEShape or a preset name, got {type(shape).__name__}")
+    return shape
+
+
+def op_dims(shape, op: str) -> dict:
+    """in_features K, out_features N, num_slices S and x_rows of the w13 or w2 LoRA op of a layer."""
+    shape = _shape(shape)
+    check_choice("op", op, OPS)
+    if op == "w13":
+        return dict(in_features=shape.hidden, out_features=shape.intermediate, num_slices=2, x_rows="token")
+    return dict(in_features=shape.intermediate, out_features=shape.hidden, num_slices=1, x_rows="pair")
+
+
+def sweep_workload(shape, num_tokens: int, num_loras: int = 4, seed: int = 0) -> Workload:
+    """The counted workload of the H200 sweep's routing for M tokens (``python -m moelora_lab.bench``:
+    ``make_routing(shape, L, M, seed=seed + M, num_sequences=min(M, 8))``), so bytes match its CSV."""
+    shape = _shape(shape)
+    m = check_int("num_tokens", num_tokens, low=1)
+    r = make_routing(shape, num_loras, m, seed=seed + m, num_sequences=min(m, 8))
+    return count_workload(r["topk_ids"], r["token_lora"], shape.num_experts, num_loras)
+
+
+def traffic_table(shape, rank: int, op: str, tokens, *, num_loras: int = 4, paths=("two_kernel", "one_shot"),
+                  routing: str = "dense", dtype_bytes: int = 2) -> list[dict]:
+    """Byte-model rows, one per (M, path): bytes, flops, launches, the byte groups x / weights /
+    intermediate / out with their shares of the total, and the ``Traffic`` itself.
+
+    routing 'dense': Workload.dense (every token its own random adapter, expected counts);
+    'sweep': the exact routing of the committed H200 sweep (see ``sweep_workload``).
+    """
+    shape = _shape(shape)
+    check_int("rank", rank, low=1)
+    check_choice("routing", routing, ROUTINGS)
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence) or not tokens:
+        raise TypeError(f"tokens: expected a non-empty list of ints, got {tokens!r}")
+    for p in paths:
+        check_choice("paths[i]", p, LORA_PATHS)
+    dims = op_dims(shape, op)
+    rows = []
+    for m in tokens:
+        check_int("tokens[i]", m, low=1)
+        wl = (Workload.dense(m, shape.top_k, shape.num_experts, num_loras) if routing == "dense"
+              else sweep_workload(shape, m, num_loras))
+        for path in paths:
+            t = lora_op_traffic(path, wl, rank=rank, dtype_bytes=dtype_bytes, add_inputs=True, **dims)
+            groups = {g: sum(t.part(p) for p in names) for g, names in GROUPS.items()}
+            rows.append(dict(preset=shape.name, op=op, rank=rank, M=m, path=path, bytes=t.bytes, flops=t.flops,
+                             launches=t.launches, **groups,
+                             **{f"{g}_share": groups[g] / t.bytes for g in GROUPS}, traffic=t))
+    return rows
+
+
+def _scale(unit: str, largest: float) -> tuple[str, float]:
+    if unit == "auto":
+        unit = next((u for u in ("GB", "MB", "KB") if largest >= UNITS[u]), "B")
+    check_choice("unit", unit, (*UNITS, "auto"))
+    return unit, UNITS[unit]
+
+
+def draw_bytes_breakdown(ax, traffics: Mapping[str, Traffic], *, unit: str = "auto", title: str | None = None) -> None:
+    """One stacked bar per entry of ``traffics`` ({label: Traffic}), split into the byte parts;
+    the total and the rank intermediate's share are written above each bar."""
+    _check_ax(ax)
+    if not isinstance(traffics, Mapping) or not traffics:
+        raise TypeError(f"traffics: expected a non-empty dict {{label: Traffic}}, got {type(traffics).__name__}")
+    for label, t in traffics.items():
+        if not isinstance(t, Traffic):
+            raise TypeError(f"traffics[{label!r}]: expected a Traffic (lora_op_traffic(...)), got {type(t).__name__}")
+    unit, div = _scale(unit, max(t.bytes for t in traffics.values()))
+    names = list(traffics)
+    known = {p[0] for p in PARTS}
+    extra = sorted({n for t in traffics.values() for n, _ in t.parts if n not in known})
+    handles, bottom = {}, [0.0] * len(names)
+    for part, color, hatch, label in PARTS + tuple((n, "#bdbdbd", "xx", n) for n in extra):
+        heights = [traffics[n].part(part) / div for n in names]
+        if not any(heights):
+            continue
+        ax.bar(range(len(names)), heights, bottom=bottom, color=color, hatch=hatch, edgecolor="white",
+               linewidth=0.5, width=0.6)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+        if label is not None:
+            handles.setdefault(label, Patch(facecolor=color, hatch=hatch, edgecolor="white", label=label))
+    for i, n in enumerate(names):
+        t = traffics[n]
+        share = sum(t.part(p) for p in GROUPS["intermediate"]) / t.bytes if t.bytes else 0.0
+        note = f"{t.bytes / div:.3g} {unit}" + (f"\nT: {100 * share:.2g} %" if share else "")
+        ax.annotate(note, (i, bottom[i]), xytext=(0, 3), textcoords="offset points", ha="center", va="bottom",
+                    fontsize=8)
+    ax.set_xticks(range(len(names)), [PATH_STYLE.get(n, {}).get("label", n).replace(" (", "\n(") for n in names],
+                  fontsize=8)
+    ax.set_ylabel(f"HBM bytes per call ({unit})")
+    ax.set_ylim(0, max(bottom) * 1.2 or 1)
+    ax.legend(handles=list(handles.values())[::-1], fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    ax.grid(True, axis="y", alpha=0.3)
+    if title:
+        ax.set_title(title)
+
+
+def draw_intermediate_share(ax, rows, *, label: str | None = None, color=None, marker: str = "o") -> None:
+    """Share of the rank intermediate T (zero-fill + write + read) in the two-kernel path's bytes against M
+    (two-kernel rows of ``traffic_table``; call once per series)."""
+    _check_ax(ax)
+    rows = _check_rows("rows", rows, ("M", "path", "intermediate_share"))
+    sel = sorted((r for r in rows if r["path"] == "two_kernel"), key=lambda r: r["M"])
+    if not sel:
+        raise ValueError("rows: no two_kernel rows; build them with traffic_table(..., paths=('two_kernel', ...))")
+    ax.plot([r["M"] for r in sel], [100 * r["intermediate_share"] for r in sel], marker=marker, color=color,
+            label=label)
+    _tokens_axis(ax)
+    ax.set_ylabel("T's share of the two-kernel bytes (%)")
+    ax.set_ylim(0, 1.1 * max(max(line.get_ydata(), default=0) for line in ax.get_lines()) or 1)
+    ax.grid(True, which="both", alpha=0.3)
+    if label is not None:
+        ax.legend(fontsize=8)
+
+
+def measured_vs_predicted(rows, *, preset: str, op: str, rank: int, paths=("two_kernel", "one_shot"),
+                          bandwidth_tbps: float | None = None) -> list[dict]:
+    """Per (M, path) of a sweep CSV: measured median µs and the byte model's prediction
+    bytes / copy bandwidth (the row's copy_tbps unless ``bandwidth_tbps`` is given), and their ratio."""
+    rows = _check_rows("rows", rows, ("preset", "op", "rank", "path", "M", "us_median", "bytes", "copy_tbps"))
+    if bandwidth_tbps is not None and not (isinstance(bandwidth_tbps, (int, float)) and bandwidth_tbps > 0):
+        raise ValueError(f"bandwidth_tbps: expected a positive number of TB/s, got {bandwidth_tbps!r}")
+    out = []
+    for path in paths:
+        for r in sorted(select(rows, preset=preset, op=op, rank=rank, path=path), key=lambda r: r["M"]):
+            predicted = r["bytes"] / ((bandwidth_tbps or r["copy_tbps"]) * 1e12) * 1e6
+            out.append(dict(M=r["M"], path=path, measured_us=r["us_median"], predicted_us=predicted,
+                            ratio=r["us_median"] / predicted, bytes=r["bytes"]))
+    if not out:
+        have = sorted({(r["preset"], r["op"], r["rank"]) for r in rows})
+        raise ValueError(f"rows: nothing for preset={preset!r}, op={op!r}, rank={rank} and paths {list(paths)}; "
+                         f"the rows hold {have}")
+    return out
+
+
+def draw_measured_vs_predicted(ax, rows, *, preset: str, op: str, rank: int, paths=("two_kernel", "one_shot"),
+                               bandwidth_tbps: float | None = None) -> None:
+    """Measured median time (solid) and the byte-model prediction (dashed) against M, per path, log-log."""
+    _check_ax(ax)
+    pts = measured_vs_predicted(rows, preset=preset, op=op, rank=rank, paths=paths, bandwidth_tbps=bandwidth_tbps)
+    for path in paths:
+        sel = [p for p in pts if p["path"] == path]
+        if not sel:
+            continue
+        style = PATH_STYLE.get(path, dict(color=None, marker="o", label=path))
+        ms = [p["M"] for p in sel]
+        ax.plot(ms, [p["measured_us"] for p in sel], color=style["color"], marker=style["marker"] or "o",
+                label=f"{style['label']}: measured")
+        ax.plot(ms, [p["predicted_us"] for p in sel], color=style["color"], linestyle="--", marker=".",
+                label=f"{style['label']}: bytes / copy bandwidth")
+    _tokens_axis(ax)
+    ax.set_yscale("log")
+    ax.set_ylabel("time per call (µs)")
+    ax.set_title(f"{preset} {op}, rank {rank}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def vllm_comparison(ours, vllm_rows, *, preset: str = "qwen3-30b-a3b") -> list[dict]:
+    """Our ``auto`` rows next to vLLM's reference for every (op, rank, M) cell both have:
+    speedup = vLLM dispatch µs / our µs (> 1: we are faster), speedup_best against vLLM's fastest path."""
+    ours = _check_rows("ours", ours, ("preset", "op", "rank", "M", "path", "ran", "us_median"))
+    vllm_rows = _check_rows("vllm_rows", vllm_rows, ("preset", "op", "rank", "M", "vllm_dispatch_us", "vllm_best_us"))
+    table = []
+    for v in sorted(select(vllm_rows, preset=preset), key=lambda r: (r["op"] != "w13", r["rank"], r["M"])):
+        mine = select(ours, preset=preset, op=v["op"], rank=v["rank"], M=v["M"], path="auto")
+        if mine:
+            us = mine[0]["us_median"]
+            table.append(dict(op=v["op"], rank=v["rank"], M=v["M"], ran=mine[0]["ran"], ours_us=us,
+                              vllm_dispatch_us=v["vllm_dispatch_us"], vllm_best_us=v["vllm_best_us"],
+                              speedup=v["vllm_dispatch_us"] / us, speedup_best=v["vllm_best_us"] / us))
+    if not table:
+        raise ValueError(f"ours / vllm_rows: no common (op, rank, M) with path 'auto' for preset {preset!r}")
+    return table
+
+
+def draw_speedup_vs_vllm(ax, table, *, key: str = "speedup") -> None:
+    """Speed-up over vLLM (a ``vllm_comparison`` table) against M, one line per (op, rank)."""
+    _check_ax(ax)
+    table = _check_rows("table", table, ("op", "rank", "M", key))
+    colors = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b")
+    series = sorted({(r["op"], r["rank"]) for r in table}, key=lambda s: (s[0] != "w13", s[1]))
+    for i, (op, rank) in enumerate(series):
+        sel = sorted((r for r in table if r["op"] == op and r["rank"] == rank), key=lambda r: r["M"])
+        ax.plot([r["M"] for r in sel], [r[key] for r in sel], marker="os^D"[i % 4], color=colors[i % len(colors)],
+                linestyle="-" if op == "w13" else "--", label=f"{op}, r = {rank}")
+    _tokens_axis(ax)
+    ax.axhline(1.0, color="black", linewidth=1, label="parity")
+    ax.set_ylabel("vLLM time / our time (×)" if key == "speedup" else f"{key} (×)")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)

@@ -1,0 +1,116 @@
+"""The MoE layer with LoRA against the reference, and the two schedules against each other."""
+import warnings
+
+import pytest
+import torch
+
+import moelora_lab as ml
+from moelora_lab.layer import moe_lora_layer, plan_layer
+from utils import TOL
+
+SHAPE = ml.MoEShape(48, 40, 6, 2, "layer-test")
+
+
+def problem(device, dtype=torch.float32, M=9, seed=1, rank=8, **kw):
+    return ml.make_problem(SHAPE, ml.LoRAShape(3, rank), M, dtype=dtype, device=device, seed=seed, **kw)
+
+
+def close(y, ref, dtype):
+    assert not torch.isnan(y).any()
+    tol = TOL[dtype]
+    torch.testing.assert_close(y.float(), ref, rtol=tol, atol=tol * float(ref.abs().max()))
+
+
+def dtypes(device):
+    return [torch.float32, torch.float16] + ([torch.bfloat16] if device == "cuda" else [])
+
+
+@pytest.mark.parametrize("join", ["fold", "vllm"])
+def test_layer_matches_reference(device, join):
+    for dtype in dtypes(device):
+        p = problem(device, dtype, no_adapter_fraction=0.3, seed=2)
+        ref = ml.moe_layer_reference(**p.layer_inputs())
+        y = moe_lora_layer(**p.layer_inputs(), join=join, schedule="sequential")
+        assert y.shape == (9, SHAPE.hidden) and y.dtype == dtype
+        close(y, ref, dtype)
+
+
+def test_layer_without_lora_is_the_base_layer(device):
+    p = problem(device, seed=3)
+    inputs = p.layer_inputs()
+    zero_lora = dict(inputs, w13_lora_b=[torch.zeros_like(t) for t in p.w13_lora_b],
+                     w2_lora_b=[torch.zeros_like(p.w2_lora_b[0])])
+    ref = ml.moe_layer_reference(**zero_lora)
+    base = {k: v for k, v in inputs.items() if "lora_" not in k}
+    close(moe_lora_layer(**base), ref, torch.float32)
+
+
+@pytest.mark.parametrize("rank", [4, 48])
+def test_sequential_equals_dual_stream_bitwise(device, rank):
+    p = problem(device, rank=rank, M=12, seed=4, no_adapter_fraction=0.25)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        seq = moe_lora_layer(**p.layer_inputs(), schedule="sequential")
+        dual = moe_lora_layer(**p.layer_inputs(), schedule="dual_stream")
+    assert torch.equal(seq, dual)
+    close(seq, ml.moe_layer_reference(**p.layer_inputs()), torch.float32)
+
+
+def test_plan_is_reused_and_validated(device):
+    p = problem(device, seed=5)
+    plan = plan_layer(p.topk_ids, p.token_lora, SHAPE.num_experts, 3, 8, intermediate=SHAPE.intermediate)
+    y = moe_lora_layer(**p.layer_inputs(), plan=plan)
+    assert torch.equal(y, moe_lora_layer(**p.layer_inputs()))
+    base_plan = plan_layer(p.topk_ids, p.token_lora, SHAPE.num_experts, None, None)
+    with pytest.raises(TypeError, match="plan: expected a LayerPlan"):
+        moe_lora_layer(**p.layer_inputs(), plan=base_plan)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")
+def test_cpu_dual_stream_says_it_runs_sequentially():
+    p = problem("cpu", seed=6)
+    with pytest.warns(RuntimeWarning, match="on the CPU the layer runs sequentially"):
+        moe_lora_layer(**p.layer_inputs(), schedule="dual_stream")
+    with pytest.raises(TypeError, match="bfloat16 is mis-computed by the Triton interpreter"):
+        q = problem("cpu", torch.bfloat16, seed=6)
+        moe_lora_layer(**q.layer_inputs())
+
+
+@pytest.mark.parametrize("change, exc, match", [
+    (dict(schedule="fast"), ValueError, "schedule: 'fast' is not one of"),
+    (dict(join="add"), ValueError, "join: 'add' is not one of 'fold', 'vllm'"),
+    (dict(w2_lora_b=None), ValueError, "give all four or none"),
+    (dict(w2=torch.zeros(6, 48, 40, dtype=torch.float16)), TypeError, "w2: dtype torch.float16"),
+])
+def test_layer_validation(change, exc, match):
+    p = problem("cpu", seed=7)
+    with pytest.raises(exc, match=match):
+        moe_lora_layer(**(p.layer_inputs() | change))
+
+
+@pytest.mark.gpu
+def test_dual_stream_is_race_free_over_repetitions():
+    """A moving result would be a race between the streams: 100 dual-stream runs equal the sequential one."""
+    p = ml.make_problem("qwen3-30b-a3b", ml.LoRAShape(4, 16), 64, dtype=torch.bfloat16, device="cuda", seed=8)
+    seq = moe_lora_layer(**p.layer_inputs(), schedule="sequential")
+    for _ in range(100):
+        assert torch.equal(moe_lora_layer(**p.layer_inputs(), schedule="dual_stream"), seq)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", ["sequential", "dual_stream"])
+def test_cuda_graph_replay_equals_eager(schedule):
+    p = ml.make_problem("qwen3-30b-a3b", ml.LoRAShape(4, 64), 32, dtype=torch.bfloat16, device="cuda", seed=9)
+    eager = moe_lora_layer(**p.layer_inputs(), schedule=schedule)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        moe_lora_layer(**p.layer_inputs(), schedule=schedule)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_lora_layer(**p.layer_inputs(), schedule=schedule)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
