@@ -144,6 +144,7 @@ def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=No
     check_tensor("w13", w13, dtypes=(x.dtype,), legend="[E, 2I, H] in x's dtype")
     check_tensor("w2", w2, dtypes=(x.dtype,), legend="[E, H, I] in x's dtype")
     check_choice("join", join, JOINS)
+    check_choice("schedule", schedule, SCHEDULES)
     check_choice("lora_path", lora_path, ("auto", "one_shot", "two_kernel", "small_batch"))
     lora_given = [t is not None for t in (w13_lora_a, w13_lora_b, w2_lora_a, w2_lora_b)]
     if any(lora_given) and not all(lora_given):

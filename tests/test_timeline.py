@@ -38,3 +38,23 @@ def test_traces_round_trip(tmp_path):
     path.write_text(json.dumps({"bad": {"records": []}}))
     with pytest.raises(ValueError, match="case 'bad' lacks 'meta' or 'records'"):
         load_traces(path)
+
+
+def test_committed_h200_traces():
+    """The committed layer timelines: sequential never overlaps; two streams do; metrics recompute."""
+    from pathlib import Path
+
+    import moelora_lab
+
+    traces = load_traces(Path(moelora_lab.__file__).parent / "data" / "h200" / "layer_traces.json")
+    assert len(traces) == 8
+    for name, t in traces.items():
+        assert t["meta"]["gpu"] == "NVIDIA H200" and t["meta"]["triton"] and t["meta"]["torch"]
+        assert {r["stream"] for r in t["records"]} == {"main", "lora"}
+        assert {r["name"] for r in t["records"]} == {"base_w13", "lora_w13", "act", "base_w2", "lora_w2", "sum"}
+        m = overlap_metrics(t["records"])
+        assert m == t["metrics"]
+        if t["meta"]["schedule"] == "sequential":
+            assert m["overlap"] == 0.0 and m["critical_path_us"] >= 0.99 * m["serial_sum_us"]
+        else:
+            assert m["overlap"] > 0.5 and m["critical_path_us"] < m["serial_sum_us"]
