@@ -57,6 +57,7 @@ def run_kernels(args) -> list[dict]:
     from .ops import moe_lora
     from .profile.timing import copy_bandwidth, provenance, time_cuda
     from .profile.traffic import count_workload, lora_op_traffic
+    from .align import make_blocks
     from .routing import block_list
 
     dtype = getattr(torch, args.dtype)
@@ -107,7 +108,7 @@ def run_kernels(args) -> list[dict]:
             if args.time_alignment:
                 cfg = choose_config("one_shot", M * k, min(M * k, work.touched_adapter_experts or 1), n_out, S,
                                     x.device)
-                t = time_cuda(lambda: block_list(topk_ids, token_lora, E, L, cfg.block_m))
+                t = time_cuda(lambda: make_blocks(topk_ids, token_lora, E, L, cfg.block_m))
                 rows.append(dict(preset=shape.name, op=op, path="align", ran="align", M=M, rank=rank, loras=L,
                                  dtype=args.dtype, block_m=cfg.block_m, block_n=0, n_chunks=1,
                                  us_median=round(t.median_us, 2), us_p20=round(t.p20_us, 2),
@@ -139,6 +140,32 @@ def run_registers(args) -> list[dict]:
                          n_spills=rep.get("n_spills", ""), shared_bytes=rep.get("shared_bytes", ""),
                          num_warps=rep.get("num_warps", ""), blocks_per_sm=rep.get("blocks_per_sm", ""),
                          occupancy=rep.get("occupancy", ""), error=error, **prov))
+    return rows
+
+
+def run_align(args) -> list[dict]:
+    """Routing metadata: the PyTorch spec (``block_list``) against the device kernels."""
+    from .align import block_list_device
+    from .config import MoEShape, make_routing
+    from .profile.timing import provenance, time_cuda
+    from .routing import block_list
+
+    prov = provenance("python -m moelora_lab.bench " + " ".join(shlex.quote(a) for a in args.argv))
+    rows = []
+    for preset in args.presets:
+        shape = MoEShape.from_name(preset)
+        for M in args.tokens:
+            r = make_routing(shape, args.loras, M, seed=args.seed + M, num_sequences=min(M, 8))
+            ids, lora = r["topk_ids"].cuda(), r["token_lora"].cuda()
+            E, L, bs = shape.num_experts, args.loras, args.block_size
+            fns = {"torch_ops": lambda: block_list(ids, lora, E, L, bs),
+                   "triton_kernels": lambda: block_list_device(ids, lora, E, L, bs, validate=False)}
+            assert all(torch.equal(a, b) for a, b in zip(fns["torch_ops"](), fns["triton_kernels"]()))
+            for method, fn in fns.items():
+                t = time_cuda(fn)
+                rows.append(dict(preset=preset, M=M, loras=L, block_size=bs, method=method,
+                                 us_median=round(t.median_us, 2), us_p20=round(t.p20_us, 2),
+                                 us_p80=round(t.p80_us, 2), **prov))
     return rows
 
 
@@ -200,6 +227,14 @@ def parse_args(argv):
     y.add_argument("--max-seconds", type=float, default=1e9, help="stop starting new cases after this long")
     y.add_argument("--out", type=Path, default=DEFAULT_OUT)
     y.add_argument("--name", default="layer")
+    a = sub.add_parser("align", help="routing metadata: PyTorch ops vs device kernels")
+    a.add_argument("--presets", nargs="+", default=["qwen3-30b-a3b", "deepseek-v2-lite"])
+    a.add_argument("--tokens", nargs="+", type=int, default=[1, 16, 128, 512, 2048, 8192])
+    a.add_argument("--loras", type=int, default=4)
+    a.add_argument("--block-size", type=int, default=16)
+    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    a.add_argument("--name", default="align")
     args = p.parse_args(argv)
     if args.what == "layer":
         from .bench_layer import VARIANTS
@@ -222,6 +257,8 @@ def main(argv=None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         if traces:
             save_traces(traces, args.out / f"{args.name}_traces.json")
+    elif args.what == "align":
+        rows = run_align(args)
     else:
         rows = run_kernels(args) if args.what == "kernels" else run_registers(args)
     csv_path = args.out / f"{args.name}.csv"

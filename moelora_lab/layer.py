@@ -39,7 +39,8 @@ from .dispatch import choose_config, choose_path
 from .moe import gemm_tiles, moe_gemm, silu_and_mul, topk_sum
 from .ops import run_lora
 from .reference import _check_layer, check_lora_weights
-from .routing import BlockList, block_list, check_routing
+from .align import make_blocks
+from .routing import BlockList, check_routing
 
 SCHEDULES = ("sequential", "dual_stream", "auto")
 JOINS = ("fold", "vllm")
@@ -122,13 +123,13 @@ def plan_layer(topk_ids, token_lora, num_experts: int, num_loras: int | None, ra
     M, k = topk_ids.shape
     P = M * k
     tiles = gemm_tiles(P, num_experts)
-    base = block_list(topk_ids, torch.zeros_like(token_lora), num_experts, 1, tiles["BLOCK_M"])
+    base = make_blocks(topk_ids, torch.zeros_like(token_lora), num_experts, 1, tiles["BLOCK_M"])
     if num_loras is None:
         return LayerPlan(base, None, None)
     path = choose_path(P, num_experts, num_loras, rank) if lora_path == "auto" else lora_path
     cfg = choose_config(path, P, min(P, num_loras * num_experts), intermediate or 1, 2,
                         topk_ids.device)
-    return LayerPlan(base, block_list(topk_ids, token_lora, num_experts, num_loras, cfg.block_m), path)
+    return LayerPlan(base, make_blocks(topk_ids, token_lora, num_experts, num_loras, cfg.block_m), path)
 
 
 def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=None, w13_lora_b=None,

@@ -18,11 +18,12 @@ import triton
 from ._backend import INTERPRET
 from ._checks import FLOAT_DTYPES, check_choice, check_tensor
 from .dispatch import PATHS, KernelConfig, choose_config, choose_path, num_sms
+from .align import make_blocks
 from .kernels.one_shot import one_shot_kernel
 from .kernels.small_batch import small_batch_kernel
 from .kernels.two_kernel import expand_kernel, shrink_kernel
 from .reference import _check_op_inputs, moe_lora_reference
-from .routing import BlockList, block_list
+from .routing import BlockList
 
 
 def naive_block_list(topk_ids, token_lora, block_m: int) -> BlockList:
@@ -181,7 +182,7 @@ def moe_lora(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, *, path: str
 
     if alignment is None and path != "small_batch":
         cfg = config or choose_config(path, num_pairs, min(num_pairs, L * E), N, S, x.device)
-        alignment = block_list(topk_ids, token_lora, E, L, cfg.block_m)
+        alignment = make_blocks(topk_ids, token_lora, E, L, cfg.block_m)
     run_lora(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, output, alignment, path, config,
              mul_routed_weight=mul_routed_weight, add_inputs=add_inputs)
     return output

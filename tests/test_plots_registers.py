@@ -91,7 +91,8 @@ def test_register_rows_selects_sorts_and_drops_failed_compiles():
 
 @pytest.mark.parametrize("rows, kw, err, msg", [
     (REG_ROWS, dict(block_m=32, max_block_r=128), ValueError, "block_m: 32 is not in the rows; available: 16, 64"),
-    (REG_ROWS, dict(block_m=64, max_block_r=256), ValueError, "max_block_r: 256 is not in the rows; available: 128, 512"),
+    (REG_ROWS, dict(block_m=64, max_block_r=256), ValueError,
+     "max_block_r: 256 is not in the rows; available: 128, 512"),
     ([dict(rank=16)], dict(block_m=64, max_block_r=128), ValueError, r"rows\[0\]: missing block_m"),
     ([], dict(block_m=64, max_block_r=128), TypeError, "rows: expected a non-empty list"),
     ("registers.csv", dict(block_m=64, max_block_r=128), TypeError, "rows: expected a non-empty list"),

@@ -16,11 +16,11 @@ from matplotlib.patches import Rectangle
 
 from .._checks import check_choice, check_int
 from ..dispatch import KernelConfig
+from ..profile.report import WARPS_PER_SM
 from .bench import PATH_STYLE
 
 REGISTER_CAP = 255        # 32-bit registers one thread may hold (NVIDIA, sm_50 and later)
 THREADS_PER_WARP = 32
-WARPS_PER_SM = 64         # Hopper: resident warps per SM
 REGISTER_KEYS = ("rank", "block_m", "max_block_r", "n_regs", "n_spills", "blocks_per_sm", "num_warps")
 TIME_KEYS = ("preset", "op", "path", "M", "rank", "us_median", "us_p20", "us_p80")
 TILING_STYLE = {  # by max_block_r: 128 = rank tiling on, 512 = one tile up to r = 512
@@ -100,7 +100,10 @@ def draw_registers_vs_rank(ax, rows, *, block_m: int, show_prediction: bool = Tr
     labelled = set()
 
     def once(label):                                   # each legend entry once
-        return None if label in labelled or labelled.add(label) else label
+        if label in labelled:
+            return None
+        labelled.add(label)
+        return label
 
     for s, mbr in enumerate(settings):
         style = TILING_STYLE.get(mbr, dict(color=f"C{s + 2}", label=f"max BLOCK_R = {mbr}"))
@@ -136,7 +139,7 @@ def draw_occupancy_vs_rank(ax, rows, *, block_m: int) -> None:
         sel = register_rows(rows, block_m=block_m, max_block_r=mbr)
         ax.plot([ranks.index(r["rank"]) for r in sel], [r["blocks_per_sm"] for r in sel], color=style["color"],
                 label=style["label"], marker="os"[s % 2], markersize=9 - 3 * (s % 2),
-                linestyle="-:"[s % 2] if s < 2 else "--", lw=2)
+                linestyle="-" if s == 0 else ":", lw=2)
     ax.set_xticks(range(len(ranks)), [str(r) for r in ranks])
     ax.set_ylim(0, None)
     ax.yaxis.get_major_locator().set_params(integer=True)
