@@ -96,7 +96,8 @@ def sweep_workload(shape, num_tokens: int, num_loras: int = 4, seed: int = 0) ->
 def traffic_table(shape, rank: int, op: str, tokens, *, num_loras: int = 4, paths=("two_kernel", "one_shot"),
                   routing: str = "dense", dtype_bytes: int = 2) -> list[dict]:
     """Byte-model rows, one per (M, path): bytes, flops, launches, the byte groups x / weights /
-    intermediate / out with their shares of the total, and the ``Traffic`` itself.
+    intermediate / out with their shares of the total, and the ``Traffic`` itself (the naive path's
+    per-pair weight copies belong to no group, so its shares sum to less than 1).
 
     routing 'dense': Workload.dense (every token its own random adapter, expected counts);
     'sweep': the exact routing of the committed H200 sweep (see ``sweep_workload``).

@@ -1,0 +1,147 @@
+"""The two-stream helpers of plots.layer: stage bytes, trace phases, overlap table, join cost."""
+import matplotlib
+
+matplotlib.use("Agg")
+from matplotlib.figure import Figure  # noqa: E402
+
+import pytest  # noqa: E402
+
+from moelora_lab import MoEShape  # noqa: E402
+from moelora_lab.plots.layer import (data_label, draw_join_savings, draw_timelines, join_savings,  # noqa: E402
+                                     join_traffic, overlap_table, stage_pair_bytes, trace_name, trace_phases,
+                                     variant_table)
+from moelora_lab.profile.traffic import Traffic, Workload, layer_traffic  # noqa: E402
+from test_timeline import REC  # noqa: E402
+
+SHAPE = MoEShape(64, 32, 8, 2, "t")
+META = dict(preset="p", M=16, rank=8, gpu="GPU", torch="2.0", triton="3.0", date="2026-01-01", floor_us=20.0)
+SEQ = [
+    dict(stream="main", name="base_w13", start_us=0.0, end_us=10.0),
+    dict(stream="lora", name="lora_w13", start_us=10.0, end_us=14.0),
+    dict(stream="main", name="act", start_us=14.0, end_us=15.0),
+    dict(stream="main", name="base_w2", start_us=15.0, end_us=20.0),
+    dict(stream="lora", name="lora_w2", start_us=20.0, end_us=24.0),
+    dict(stream="main", name="sum", start_us=24.0, end_us=25.0),
+]
+
+
+def traces():
+    return {trace_name("p", 16, 8, "sequential"): dict(meta=dict(META, schedule="sequential"), records=SEQ),
+            trace_name("p", 16, 8, "dual_stream"): dict(meta=dict(META, schedule="dual_stream"), records=REC),
+            trace_name("p", 32, 8, "sequential"): dict(meta=dict(META, M=32, schedule="sequential"), records=SEQ)}
+
+
+def test_data_label_and_trace_name():
+    assert data_label(META) == "GPU, torch 2.0, triton 3.0, 2026-01-01"
+    with pytest.raises(KeyError, match="provenance field"):
+        data_label({"gpu": "GPU"})
+    assert trace_name("qwen3-30b-a3b", 16, 64, "dual_stream") == "qwen3-30b-a3b_M16_r64_dual_stream"
+
+
+def test_stage_pair_bytes_by_hand():
+    wl = Workload(num_tokens=4, top_k=2, tokens_with_adapter=4, pairs_with_adapter=8, touched_adapter_experts=5,
+                  touched_experts=6)
+    stages = layer_traffic(SHAPE, 4, wl)
+    rows = stage_pair_bytes(stages, 1e6)                       # 1 MB/s: 1 byte = 1 µs
+    assert [r["phase"] for r in rows] == ["w13", "w2"]
+    w13 = rows[0]
+    assert w13["base_bytes"] == stages["base_w13"].bytes and w13["lora_bytes"] == stages["lora_w13"].bytes
+    assert w13["base_us"] == pytest.approx(w13["base_bytes"])
+    assert w13["hidden_us"] == pytest.approx(max(w13["base_bytes"], w13["lora_bytes"]))
+    assert w13["shared_us"] == pytest.approx(w13["base_bytes"] + w13["lora_bytes"])
+    with pytest.raises(KeyError, match="with_lora=True"):
+        stage_pair_bytes(layer_traffic(SHAPE, 4, wl, with_lora=False), 1e6)
+    with pytest.raises(ValueError, match="must be > 0"):
+        stage_pair_bytes(stages, 0)
+
+
+def test_trace_phases():
+    ph = trace_phases(REC)       # w13: base [0,10], lora [2,8]; w2: base [12,20], lora [18,26]
+    assert ph["w13"] == dict(base_us=10.0, lora_us=6.0, window_us=10.0)
+    assert ph["w2"] == dict(base_us=8.0, lora_us=8.0, window_us=14.0)
+    with pytest.raises(KeyError, match="records: stages"):
+        trace_phases(REC[:1])
+
+
+def test_overlap_table_pairs_schedules():
+    rows = overlap_table(traces())
+    assert len(rows) == 1                      # M=32 has no dual-stream trace
+    r = rows[0]
+    assert (r["preset"], r["M"], r["rank"], r["floor_us"]) == ("p", 16, 8, 20.0)
+    assert (r["seq_us"], r["dual_us"], r["lora_seq_us"], r["lora_dual_us"]) == (25.0, 27.0, 8.0, 14.0)
+    assert r["overlap"] == pytest.approx(8 / 14, abs=1e-4)
+    assert r["hidden"] == pytest.approx((25 - 27) / 8)
+
+
+def test_draw_timelines_share_axis_and_floor():
+    fig = Figure()
+    axes = fig.subplots(2, 1)
+    draw_timelines(axes, [("one", SEQ), ("two", REC)], floor_us=30.0)
+    assert axes[0].get_xlim() == axes[1].get_xlim() == (0.0, pytest.approx(31.2))
+    assert "overlap 0% of LoRA time" in axes[0].get_title() and "overlap 57%" in axes[1].get_title()
+    assert any("byte floor" in t.get_text() for t in axes[1].texts)
+    with pytest.raises(ValueError, match="one Axes per case"):
+        draw_timelines(axes, [("one", SEQ)])
+
+
+def rows():
+    out = []
+    for M, seq, vjoin in ((1, 10.0, 11.0), (16, 20.0, 20.0), (256, 100.0, 130.0)):
+        for variant, t in (("sequential", seq), ("sequential_vllm_join", vjoin), ("dual_stream", seq - 1),
+                           ("dual_stream_vllm_join", vjoin - 2)):
+            out.append(dict(preset="p", M=M, rank=16, variant=variant, us_median=t, us_p20=t, us_p80=t))
+    out.append(dict(preset="p", M=512, rank=16, variant="sequential", us_median=5.0, us_p20=5.0, us_p80=5.0))
+    out.append(dict(preset="p", M=512, rank=16, variant="sequential_vllm_join", us_median="", us_p20="",
+                    us_p80=""))
+    return out
+
+
+def test_variant_table_and_join_savings():
+    t = variant_table(rows(), preset="p", rank=16, variants=("sequential", "sequential_vllm_join"))
+    assert [r["M"] for r in t] == [1, 16, 256]          # M=512: the vLLM-join row was not timed
+    s = join_savings(rows(), preset="p", rank=16)
+    assert [(r["M"], r["saved_us"]) for r in s] == [(1, 1.0), (16, 0.0), (256, 30.0)]
+    assert s[2]["saved"] == pytest.approx(30 / 130)
+    assert [r["saved_us"] for r in join_savings(rows(), preset="p", rank=16, schedule="dual_stream")] == [
+        0.0, -1.0, 29.0]
+    with pytest.raises(ValueError, match="schedule: 'auto'"):
+        join_savings(rows(), preset="p", rank=16, schedule="auto")
+
+
+def test_join_traffic_by_hand():
+    # M=4, k=2: P=8 pairs; 2I=64, H=64, b=2; 3 tokens with an adapter: P_a=6
+    fold = join_traffic(SHAPE, 4, "fold", tokens_with_adapter=3)
+    assert isinstance(fold, Traffic) and fold.bytes == 6 * 64 * 2 + 6 * 64 * 2 and fold.launches == 0
+    vllm = join_traffic(SHAPE, 4, "vllm", tokens_with_adapter=3)
+    assert vllm.bytes == 4 * 8 * 64 * 2 + 4 * 8 * 64 * 2 and vllm.launches == 4
+    assert vllm.part("zero_d13") == 8 * 64 * 2 and vllm.part("add_reads_c3_d2") == 2 * 8 * 64 * 2
+    # every token with an adapter: vLLM's join moves 3 delta-sized buffers more than ours
+    d = 8 * (64 + 64) * 2
+    assert join_traffic(SHAPE, 4, "vllm").bytes - join_traffic(SHAPE, 4, "fold").bytes == 3 * d
+    with pytest.raises(ValueError, match="join: 'add'"):
+        join_traffic(SHAPE, 4, "add")
+    with pytest.raises(ValueError, match="tokens_with_adapter"):
+        join_traffic(SHAPE, 4, "fold", tokens_with_adapter=5)
+
+
+def test_draw_join_savings():
+    ax = Figure().add_subplot()
+    draw_join_savings(ax, rows(), preset="p", ranks=[16], predicted=[(1, 0.5), (256, 25.0)])
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    seq = lines["measured, r=16, one stream"]
+    assert list(seq.get_xdata()) == [1, 256] and list(seq.get_ydata()) == [1.0, 30.0]   # 0 saved: left out
+    assert "predicted: extra bytes / copy rate" in lines
+    assert ax.get_yscale() == "log" and "µs" in ax.get_ylabel()
+
+
+def test_draw_base_and_plan():
+    from moelora_lab.plots.layer import draw_base_and_plan
+
+    data = [dict(preset="p", M=M, rank=16, variant=v, us_median=t, us_p20=t, us_p80=t)
+            for M in (1, 16) for v, t in (("no_lora", 10.0 * M), ("grouped_mm", 5.0 * M), ("plan", 100.0))]
+    ax = Figure().add_subplot()
+    draw_base_and_plan(ax, data, preset="p", rank=16)
+    labels = [line.get_label() for line in ax.get_lines()]
+    assert labels == ["whole layer, no LoRA", "torch._grouped_mm (w13 + w2, rows pre-grouped)",
+                      "routing plan (PyTorch ops)"]                       # base_gemms absent: no line
+    assert list(ax.get_lines()[2].get_ydata()) == [100.0, 100.0] and ax.get_xscale() == "log"
