@@ -13,6 +13,7 @@ An explicit ``TRITON_INTERPRET`` set by the user is respected when MOELORA_INTER
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 
 import torch
@@ -21,7 +22,15 @@ _CHOICE = os.environ.get("MOELORA_INTERPRET", "").strip()
 if _CHOICE not in ("", "0", "1"):
     raise ValueError(f"MOELORA_INTERPRET: {_CHOICE!r} is not accepted; use 0 (GPU), 1 (interpreter) or leave it unset")
 
+_TRITON_FIRST = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") != "1"
 if _CHOICE == "1" or (_CHOICE == "" and "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available()):
+    if _TRITON_FIRST:
+        # triton's own @jit helpers (tl.cdiv, ...) were already built for the compiler, and
+        # interpreted kernels cannot call them: fail now with the fix, not later inside a kernel
+        raise ImportError(
+            "moelora_lab must be imported before triton when kernels run on the Triton interpreter "
+            "(no GPU here): restart Python and import moelora_lab first, or set MOELORA_INTERPRET=1 "
+            "(or TRITON_INTERPRET=1) in the environment before Python starts")
     os.environ["TRITON_INTERPRET"] = "1"
 elif _CHOICE == "0":
     os.environ["TRITON_INTERPRET"] = "0"

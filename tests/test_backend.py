@@ -30,3 +30,19 @@ def test_cpu_default_is_the_interpreter():
     assert auto.stdout.split() == ["True", "1"]
     assert moelora_lab.INTERPRET and "interpreter" in moelora_lab.describe()
     assert moelora_lab.kernel_device().type == "cpu"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter is only switched on without a GPU")
+def test_triton_imported_first_fails_with_the_fix():
+    env = {k: v for k, v in os.environ.items() if k not in ("MOELORA_INTERPRET", "TRITON_INTERPRET")}
+    code = "import triton, moelora_lab"
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert res.returncode != 0 and "moelora_lab must be imported before triton" in res.stderr
+    ok = subprocess.run([sys.executable, "-c", code], env=env | {"MOELORA_INTERPRET": "1", "TRITON_INTERPRET": "1"},
+                        capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+
+
+def test_public_api():
+    for name in ("moe_lora", "moe_lora_layer", "block_list", "block_list_device", "KernelConfig", "make_problem"):
+        assert hasattr(moelora_lab, name)

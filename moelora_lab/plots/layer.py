@@ -183,12 +183,16 @@ def draw_timelines(axes, cases, *, floor_us: float | None = None) -> None:
         raise ValueError(f"axes, cases: expected one Axes per case and at least one case, got {len(axes)} and "
                          f"{len(cases)}")
     end = max(r["end_us"] - min(q["start_us"] for q in recs) for _, recs in cases for r in recs)
+    right = 1.04 * max(end, floor_us or 0)
     for ax, (title, recs) in zip(axes, cases):
         draw_timeline(ax, recs, title=title, metrics=overlap_metrics(recs))
         if floor_us:
             ax.axvline(floor_us, color="black", linestyle="--", linewidth=1)
-            ax.text(floor_us, 1.55, f" byte floor\n {floor_us:.0f} µs", fontsize=7, va="center")
-        ax.set_xlim(0, 1.04 * max(end, floor_us or 0))
+            left_of_line = floor_us > 0.15 * right           # the legend sits in the upper right corner
+            text = f"byte floor {floor_us:.0f} µs"
+            ax.text(floor_us, 1.75, f"{text} " if left_of_line else f" {text}", fontsize=7, va="center",
+                    ha="right" if left_of_line else "left")
+        ax.set_xlim(0, right)
 
 
 def variant_table(rows, *, preset: str, rank: int, variants) -> list[dict]:
