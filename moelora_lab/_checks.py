@@ -6,7 +6,7 @@ skipped while a CUDA graph is being captured.
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 
@@ -94,3 +94,16 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
                 f"{name}: is on {t.device} but {first_name} is on {first.device}; all inputs must share one device"
             )
     return first.device
+
+
+def check_rows(name: str, rows, keys: Sequence[str], source: str | None = None) -> list:
+    """Check a non-empty list of dict rows (e.g. ``bench.read_csv``) that all carry ``keys``."""
+    what = f" (read_csv of {source})" if source else ""
+    if isinstance(rows, (str, bytes, Mapping)) or not isinstance(rows, Sequence) or not rows:
+        raise TypeError(f"{name}: expected a non-empty list of dicts{what}, got {type(rows).__name__}")
+    for i, row in enumerate(rows):
+        missing = [k for k in keys if not isinstance(row, Mapping) or k not in row]
+        if missing:
+            raise ValueError(f"{name}[{i}]: missing {', '.join(missing)}; expected rows"
+                             f"{' of ' + source if source else ' with ' + ', '.join(keys)}")
+    return list(rows)

@@ -48,25 +48,23 @@ def _block(n: int) -> int:
     return min(1024 if not INTERPRET else 4096, triton.next_power_of_2(n))
 
 
+def _rowwise(kernel, src, dst, rows: int, cols: int, top_k: int, delta, token_lora):
+    """Launch one (row, column tile) epilogue kernel, with or without the LoRA delta."""
+    block = _block(cols)
+    has = delta is not None
+    kernel[(rows, triton.cdiv(cols, block))](
+        src, delta if has else src, token_lora if has else src, dst, top_k, cols, src.stride(0),
+        delta.stride(0) if has else 0, dst.stride(0), BLOCK=block, HAS_DELTA=has)
+    return dst
+
+
 def silu_and_mul(c1: torch.Tensor, h: torch.Tensor, *, top_k: int, delta: torch.Tensor | None = None,
                  token_lora: torch.Tensor | None = None) -> torch.Tensor:
     """h = silu(gate) * up of c1 [P, 2I] (plus the LoRA delta of pairs with an adapter) into h [P, I]."""
-    P, I = h.shape
-    block = _block(I)
-    has = delta is not None
-    silu_and_mul_kernel[(P, triton.cdiv(I, block))](
-        c1, delta if has else c1, token_lora if has else c1, h, top_k, I, c1.stride(0),
-        delta.stride(0) if has else 0, h.stride(0), BLOCK=block, HAS_DELTA=has)
-    return h
+    return _rowwise(silu_and_mul_kernel, c1, h, h.shape[0], h.shape[1], top_k, delta, token_lora)
 
 
 def topk_sum(c3: torch.Tensor, y: torch.Tensor, *, top_k: int, delta: torch.Tensor | None = None,
              token_lora: torch.Tensor | None = None) -> torch.Tensor:
     """y[t] = sum_j c3[t*k + j] (plus the LoRA delta of tokens with an adapter) into y [M, H]."""
-    M, H = y.shape
-    block = _block(H)
-    has = delta is not None
-    topk_sum_kernel[(M, triton.cdiv(H, block))](
-        c3, delta if has else c3, token_lora if has else c3, y, top_k, H, c3.stride(0),
-        delta.stride(0) if has else 0, y.stride(0), BLOCK=block, HAS_DELTA=has)
-    return y
+    return _rowwise(topk_sum_kernel, c3, y, y.shape[0], y.shape[1], top_k, delta, token_lora)

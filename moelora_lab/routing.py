@@ -87,31 +87,37 @@ def check_routing(topk_ids, token_lora, num_experts: int, num_loras: int, topk_w
     check_range("token_lora", token_lora, -1, num_loras, f"-1 = no adapter, else a slot of {num_loras}")
 
 
-def align_block_size(topk_ids: torch.Tensor, token_lora: torch.Tensor, num_experts: int, num_loras: int,
-                     block_size: int) -> Alignment:
-    """Group each adapter's pairs by expert and pad every expert segment to ``block_size``."""
+def _group_pairs(topk_ids, token_lora, num_experts: int, num_loras: int, block_size: int):
+    """Validate, then sort pairs by group g = l*E + e (g = L*E: no adapter), keeping pair order.
+
+    Returns (order [n], sorted key [n], counts [L*E], first sorted index of each group [L*E]).
+    """
     check_int("num_experts", num_experts, low=1)
     check_int("num_loras", num_loras, low=1)
     check_int("block_size", block_size, low=1)
     check_routing(topk_ids, token_lora, num_experts, num_loras)
+    E, L, k = num_experts, num_loras, topk_ids.shape[1]
+    pair_lora = token_lora.long().repeat_interleave(k)                      # [n]
+    key = torch.where(pair_lora >= 0, pair_lora * E + topk_ids.reshape(-1).long(),
+                      torch.full_like(pair_lora, L * E))
+    order = torch.sort(key, stable=True).indices
+    counts = torch.zeros(L * E + 1, dtype=torch.long, device=key.device).scatter_add_(0, key, torch.ones_like(key))
+    counts = counts[: L * E]
+    return order, key[order], counts, counts.cumsum(0) - counts
+
+
+def align_block_size(topk_ids: torch.Tensor, token_lora: torch.Tensor, num_experts: int, num_loras: int,
+                     block_size: int) -> Alignment:
+    """Group each adapter's pairs by expert and pad every expert segment to ``block_size``."""
+    order, skey, counts, key_start = _group_pairs(topk_ids, token_lora, num_experts, num_loras, block_size)
     M, k = topk_ids.shape
     E, L, bs, dev = num_experts, num_loras, block_size, topk_ids.device
     num_pairs = M * k
     P = padded_row_length(num_pairs, E, bs)
-
-    pair_lora = token_lora.long().repeat_interleave(k)                      # [M*k]
-    pair_expert = topk_ids.reshape(-1).long()                               # [M*k]
-    has = pair_lora >= 0
-    key = torch.where(has, pair_lora * E + pair_expert, torch.full_like(pair_lora, L * E))
-    order = torch.sort(key, stable=True).indices                            # pairs by (adapter, expert, p)
-    skey = key[order]
-
-    counts = torch.zeros(L * E + 1, dtype=torch.long, device=dev).scatter_add_(0, key, torch.ones_like(key))
-    counts = counts[: L * E].view(L, E)                                     # pairs per (adapter, expert)
+    counts = counts.view(L, E)                                              # pairs per (adapter, expert)
     padded = (counts + bs - 1) // bs * bs                                   # [L, E]
     seg_end = padded.cumsum(dim=1)                                          # [L, E] end of each segment
     seg_start = seg_end - padded
-    key_start = torch.cumsum(counts.view(-1), 0) - counts.view(-1)          # first sorted index of each key
 
     valid = skey < L * E
     skey_v = torch.where(valid, skey, torch.zeros_like(skey))
@@ -186,25 +192,13 @@ def max_blocks(num_pairs: int, num_experts: int, num_loras: int, block_size: int
 def block_list(topk_ids: torch.Tensor, token_lora: torch.Tensor, num_experts: int, num_loras: int,
                block_size: int) -> BlockList:
     """Group pairs by (adapter, expert), pad each group to ``block_size`` and list the blocks."""
-    check_int("num_experts", num_experts, low=1)
-    check_int("num_loras", num_loras, low=1)
-    check_int("block_size", block_size, low=1)
-    check_routing(topk_ids, token_lora, num_experts, num_loras)
+    order, skey, counts, key_start = _group_pairs(topk_ids, token_lora, num_experts, num_loras, block_size)
     M, k = topk_ids.shape
     E, L, bs, dev = num_experts, num_loras, block_size, topk_ids.device
     n = M * k
     B = max_blocks(n, E, L, bs)
-
-    pair_lora = token_lora.long().repeat_interleave(k)                      # [M*k]
-    key = torch.where(pair_lora >= 0, pair_lora * E + topk_ids.reshape(-1).long(),
-                      torch.full_like(pair_lora, L * E))                    # virtual expert, L*E = none
-    order = torch.sort(key, stable=True).indices
-    skey = key[order]
-    counts = torch.zeros(L * E + 1, dtype=torch.long, device=dev).scatter_add_(0, key, torch.ones_like(key))
-    counts = counts[: L * E]                                                # [L*E]
     blocks = (counts + bs - 1) // bs                                        # blocks per group
     block_end = blocks.cumsum(0)                                            # [L*E]
-    key_start = counts.cumsum(0) - counts                                   # first sorted index of each group
 
     valid = skey < L * E
     skey_v = torch.where(valid, skey, torch.zeros_like(skey))

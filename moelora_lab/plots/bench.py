@@ -21,6 +21,23 @@ def select(rows, **where):
     return [r for r in rows if all(r.get(k) == v for k, v in where.items())]
 
 
+def plot_band(ax, rows, style, *, x="M", y="us_median", low="us_p20", high="us_p80"):
+    """One line of ``y`` against ``x`` with its p20-p80 band shaded (rows sorted by ``x``)."""
+    rows = sorted(rows, key=lambda r: r[x])
+    xs = [r[x] for r in rows]
+    ax.plot(xs, [r[y] for r in rows], **style)
+    ax.fill_between(xs, [r[low] for r in rows], [r[high] for r in rows], color=style.get("color", "gray"),
+                    alpha=0.15, linewidth=0)
+
+
+def _save(fig, path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+    return path
+
+
 def draw_time_vs_tokens(ax, rows, *, preset, op, rank, paths=("two_kernel", "one_shot", "small_batch"),
                         vllm_rows=None, show_floor=True):
     """Median time (p20-p80 band) against M for each path, log-log; optional vLLM reference points."""
@@ -29,11 +46,7 @@ def draw_time_vs_tokens(ax, rows, *, preset, op, rank, paths=("two_kernel", "one
         sel = sorted(select(rows, preset=preset, op=op, rank=rank, path=path), key=lambda r: r["M"])
         if not sel:
             continue
-        style = dict(PATH_STYLE.get(path, dict(label=path)))
-        ms = [r["M"] for r in sel]
-        ax.plot(ms, [r["us_median"] for r in sel], **style)
-        ax.fill_between(ms, [r["us_p20"] for r in sel], [r["us_p80"] for r in sel],
-                        color=style.get("color", "gray"), alpha=0.15, linewidth=0)
+        plot_band(ax, sel, dict(PATH_STYLE.get(path, dict(label=path))))
         if path == "one_shot":
             floor = [(r["M"], r["floor_us"]) for r in sel]
     if show_floor and floor:
@@ -99,17 +112,9 @@ def save_kernel_plots(rows, out_dir, name="kernels"):
             for j, rank in enumerate(ranks):
                 draw_time_vs_tokens(axes[i][j], timed, preset=preset, op=op, rank=rank, vllm_rows=vllm_rows)
         fig.suptitle(f"{preset}: LoRA op time on {timed[0]['gpu']} ({timed[0]['dtype']})")
-        fig.tight_layout()
-        path = out_dir / f"{name}_{preset}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(fig, out_dir / f"{name}_{preset}.png"))
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     draw_roofline(ax, [r for r in timed if r["path"] != "auto"])
     ax.set_title(f"Roofline: every path, every case ({timed[0]['gpu']})")
-    fig.tight_layout()
-    path = out_dir / f"{name}_roofline.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
+    written.append(_save(fig, out_dir / f"{name}_roofline.png"))
     return written

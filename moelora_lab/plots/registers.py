@@ -14,10 +14,10 @@ import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
 from matplotlib.patches import Rectangle
 
-from .._checks import check_choice, check_int
+from .._checks import check_choice, check_int, check_rows
 from ..dispatch import KernelConfig
 from ..profile.report import WARPS_PER_SM
-from .bench import PATH_STYLE
+from .bench import PATH_STYLE, plot_band
 
 REGISTER_CAP = 255        # 32-bit registers one thread may hold (NVIDIA, sm_50 and later)
 THREADS_PER_WARP = 32
@@ -43,13 +43,7 @@ def _check_pow2(name: str, value, low: int = 1, high: int | None = None) -> int:
 
 
 def _check_rows(rows, keys: Sequence[str], source: str) -> list[Mapping]:
-    if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence) or not rows:
-        raise TypeError(f"rows: expected a non-empty list of dicts (read_csv of {source}), got {rows!r:.80}")
-    for i, row in enumerate(rows):
-        missing = [k for k in keys if not isinstance(row, Mapping) or k not in row]
-        if missing:
-            raise ValueError(f"rows[{i}]: missing {', '.join(missing)}; expected rows of {source}")
-    return list(rows)
+    return check_rows("rows", rows, keys, source)
 
 
 def _pick(rows, name: str, value, key: str):
@@ -165,11 +159,7 @@ def draw_time_vs_rank(ax, rows, *, preset: str, op: str, M: int, paths=("one_sho
         pts = sorted((r for r in sel if r["path"] == path), key=lambda r: r["rank"])
         if not pts:
             raise ValueError(f"paths: no rows for path {path!r} at {preset} {op} M={M}")
-        style = dict(PATH_STYLE.get(path, dict(label=path)))
-        rk = [r["rank"] for r in pts]
-        ax.plot(rk, [r["us_median"] for r in pts], lw=2, **style)
-        ax.fill_between(rk, [r["us_p20"] for r in pts], [r["us_p80"] for r in pts], color=style.get("color"),
-                        alpha=0.2, linewidth=0)
+        plot_band(ax, pts, dict(PATH_STYLE.get(path, dict(label=path)), lw=2), x="rank")
     auto = sorted((r for r in sel if r["path"] == "auto"), key=lambda r: r["rank"])
     if show_auto and auto:
         ax.scatter([r["rank"] for r in auto], [r["us_median"] for r in auto], s=180, facecolors="none",

@@ -15,7 +15,7 @@ from matplotlib.axes import Axes
 from matplotlib.patches import Patch
 from matplotlib.ticker import NullLocator
 
-from .._checks import check_choice, check_int
+from .._checks import check_choice, check_int, check_rows
 from ..config import MoEShape, make_routing
 from ..profile.traffic import LORA_PATHS, Traffic, Workload, count_workload, lora_op_traffic
 from .bench import PATH_STYLE, select
@@ -58,13 +58,7 @@ def _tokens_axis(ax) -> None:
 
 
 def _check_rows(name: str, rows, keys: Sequence[str]) -> list:
-    if isinstance(rows, (str, bytes, Mapping)) or not isinstance(rows, Sequence) or not rows:
-        raise TypeError(f"{name}: expected a non-empty list of dicts, got {type(rows).__name__}")
-    for i, row in enumerate(rows):
-        missing = [k for k in keys if not isinstance(row, Mapping) or k not in row]
-        if missing:
-            raise ValueError(f"{name}[{i}]: missing key(s) {', '.join(missing)}; expected rows with {', '.join(keys)}")
-    return list(rows)
+    return check_rows(name, rows, keys)
 
 
 def _shape(shape) -> MoEShape:
