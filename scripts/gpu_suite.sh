@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Check and measure on a CUDA GPU in one go: the test suite on CUDA, the register report, the
 # kernel sweep. Results go to $OUT (default ./gpu_results). Usage:
-#   bash scripts/gpu_suite.sh [tests] [registers] [smoke|kernels] [extra bench args...]
+#   bash scripts/gpu_suite.sh [tests] [registers] [tune] [smoke|kernels] [layer] [align]
 set -uo pipefail
 OUT=${OUT:-gpu_results}
 mkdir -p "$OUT"
@@ -21,6 +21,10 @@ for step in "${steps[@]}"; do
     smoke)
       $PY -m moelora_lab.bench kernels --presets qwen3-30b-a3b --tokens 1 32 2048 --ranks 16 256 \
         --out "$OUT" --name smoke --time-alignment 2>&1 | tail -n 5 ;;
+    layer)
+      $PY -m moelora_lab.bench layer --out "$OUT" 2>&1 | tail -n 5 ;;
+    align)
+      $PY -m moelora_lab.bench align --out "$OUT" 2>&1 | tail -n 3 ;;
     kernels)
       $PY -m moelora_lab.bench kernels --time-alignment --out "$OUT" 2>&1 | tail -n 5 ;;
     *) echo "unknown step $step" ;;
