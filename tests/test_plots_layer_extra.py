@@ -1,4 +1,4 @@
-"""The two-stream helpers of plots.layer: stage bytes, trace phases, overlap table, join cost."""
+"""The two-stream functions of plots.layer: stage bytes, trace phases, overlap table, join cost."""
 import matplotlib
 
 matplotlib.use("Agg")
@@ -145,3 +145,7 @@ def test_draw_base_and_plan():
     assert labels == ["whole layer, no LoRA", "torch._grouped_mm (w13 + w2, rows pre-grouped)",
                       "routing plan (PyTorch ops)"]                       # base_gemms absent: no line
     assert list(ax.get_lines()[2].get_ydata()) == [100.0, 100.0] and ax.get_xscale() == "log"
+    ax = Figure().add_subplot()
+    draw_base_and_plan(ax, data, preset="p", rank=16, device_plan=[(16, 20.0), (1, 10.0)])
+    device = ax.get_lines()[-1]
+    assert device.get_label() == "routing plan (Triton kernels, 2 block lists)" and list(device.get_xdata()) == [1, 16]

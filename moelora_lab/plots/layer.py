@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .bench import select
+from .bench import plot_band, select
 
 VARIANT_STYLE = {
     "no_lora": dict(color="black", marker="o", label="no LoRA"),
@@ -18,24 +18,28 @@ def _timed(rows):
     return [r for r in rows if r.get("us_median") not in ("", None)]
 
 
-def draw_layer_times(ax, rows, *, preset, rank, variants=tuple(VARIANT_STYLE)):
-    """Layer time against M for each variant (log-log), with the p20-p80 band."""
+def _variant_lines(ax, rows, *, preset, rank, variants, styles):
+    """One line with its p20-p80 band per timed variant, against M."""
     for v in variants:
-        sel = sorted(select(_timed(rows), preset=preset, rank=rank, variant=v), key=lambda r: r["M"])
-        if not sel:
-            continue
-        style = VARIANT_STYLE.get(v, dict(label=v))
-        ms = [r["M"] for r in sel]
-        ax.plot(ms, [r["us_median"] for r in sel], **style)
-        ax.fill_between(ms, [r["us_p20"] for r in sel], [r["us_p80"] for r in sel], color=style.get("color"),
-                        alpha=0.12, linewidth=0)
+        sel = select(_timed(rows), preset=preset, rank=rank, variant=v)
+        if sel:
+            plot_band(ax, sel, dict(styles.get(v, dict(label=v))))
+
+
+def _log_axes(ax, ylabel, title):
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("tokens M")
-    ax.set_ylabel("layer time (µs)")
-    ax.set_title(f"{preset}, rank {rank}")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
+
+
+def draw_layer_times(ax, rows, *, preset, rank, variants=tuple(VARIANT_STYLE)):
+    """Layer time against M for each variant (log-log), with the p20-p80 band."""
+    _variant_lines(ax, rows, preset=preset, rank=rank, variants=variants, styles=VARIANT_STYLE)
+    _log_axes(ax, "layer time (µs)", f"{preset}, rank {rank}")
 
 
 def lora_overhead(rows, *, preset, rank, variant="dual_stream"):
@@ -280,22 +284,13 @@ BASE_STYLE = {
 }
 
 
-def draw_base_and_plan(ax, rows, *, preset: str, rank: int, variants=tuple(BASE_STYLE)) -> None:
+def draw_base_and_plan(ax, rows, *, preset: str, rank: int, variants=tuple(BASE_STYLE),
+                       device_plan=None) -> None:
     """Time against M (log-log, p20-p80 band) of the no-LoRA layer, its two grouped GEMMs, the same
-    GEMMs through torch._grouped_mm, and the routing plan."""
-    for v in variants:
-        sel = sorted(select(_timed(rows), preset=preset, rank=rank, variant=v), key=lambda r: r["M"])
-        if not sel:
-            continue
-        style = BASE_STYLE.get(v, dict(label=v))
-        ms = [r["M"] for r in sel]
-        ax.plot(ms, [r["us_median"] for r in sel], **style)
-        ax.fill_between(ms, [r["us_p20"] for r in sel], [r["us_p80"] for r in sel], color=style.get("color"),
-                        alpha=0.12, linewidth=0)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("tokens M")
-    ax.set_ylabel("time per call (µs)")
-    ax.set_title(f"{preset}: the base GEMMs and the routing plan")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
+    GEMMs through torch._grouped_mm, and the routing plan; ``device_plan``: [(M, µs)] of the plan
+    built by device kernels, drawn as a dotted line."""
+    _variant_lines(ax, rows, preset=preset, rank=rank, variants=variants, styles=BASE_STYLE)
+    if device_plan:
+        ax.plot(*zip(*sorted(device_plan)), color=BASE_STYLE["plan"]["color"], marker="+", linestyle=":",
+                label="routing plan (Triton kernels, 2 block lists)")
+    _log_axes(ax, "time per call (µs)", f"{preset}: the base GEMMs and the routing plan")
