@@ -114,12 +114,16 @@ class LayerPlan:
 
 
 def plan_layer(topk_ids, token_lora, num_experts: int, num_loras: int | None, rank: int | None, *,
-               hidden: int | None = None, intermediate: int | None = None, lora_path: str = "auto") -> LayerPlan:
+               hidden: int | None = None, intermediate: int | None = None, lora_path: str = "auto",
+               validate: bool = True) -> LayerPlan:
     """Build the routing metadata (and pick the LoRA path) for :func:`moe_lora_layer`.
 
     ``num_loras=None`` plans a layer without LoRA. Reuse a plan across calls with the same routing
-    (benchmarks, CUDA graphs that capture only the layer's kernels).
+    (benchmarks, CUDA graphs that capture only the layer's kernels). ``validate=False`` skips the
+    id-range checks (they synchronise with the GPU) for routing that was already checked.
     """
+    if validate:
+        check_routing(topk_ids, token_lora, num_experts, num_loras or 2**31 - 1)
     M, k = topk_ids.shape
     P = M * k
     tiles = gemm_tiles(P, num_experts)
@@ -177,7 +181,7 @@ def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=No
     weights = topk_weights.reshape(-1).float().contiguous()
     if plan is None:
         plan = plan_layer(topk_ids, token_lora, E, L if with_lora else None, r if with_lora else None,
-                          hidden=H, intermediate=I, lora_path=lora_path)
+                          hidden=H, intermediate=I, lora_path=lora_path, validate=False)
     tiles = gemm_tiles(P, E)
     base_blocks, lora_blocks, path = plan.base_blocks, plan.lora_blocks, plan.lora_path
     streams = _Streams(dual, x.device, tracer)

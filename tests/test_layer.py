@@ -62,6 +62,8 @@ def test_plan_is_reused_and_validated(device):
     y = moe_lora_layer(**p.layer_inputs(), plan=plan)
     assert torch.equal(y, moe_lora_layer(**p.layer_inputs()))
     base_plan = plan_layer(p.topk_ids, p.token_lora, SHAPE.num_experts, None, None)
+    with pytest.raises(ValueError, match="token_lora: value 2 is out of range"):
+        plan_layer(p.topk_ids, p.token_lora.clamp(min=0) * 0 + 2, SHAPE.num_experts, 2, 8)
     with pytest.raises(TypeError, match="plan: expected a LayerPlan"):
         moe_lora_layer(**p.layer_inputs(), plan=base_plan)
 
