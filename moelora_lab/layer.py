@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ._backend import INTERPRET
-from ._checks import check_choice, check_tensor
+from ._checks import INDEX_DTYPES, check_choice, check_range, check_tensor
 from .dispatch import choose_config, choose_path
 from .moe import gemm_tiles, moe_gemm, silu_and_mul, topk_sum
 from .ops import run_lora
@@ -138,12 +138,14 @@ def plan_layer(topk_ids, token_lora, num_experts: int, num_loras: int | None, ra
 
 def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=None, w13_lora_b=None,
                    w2_lora_a=None, w2_lora_b=None, *, schedule: str = "auto", join: str = "fold",
-                   lora_path: str = "auto", plan: LayerPlan | None = None, tracer=None) -> torch.Tensor:
+                   lora_path: str = "auto", plan: LayerPlan | None = None, tracer=None,
+                   lora_ranks: torch.Tensor | None = None) -> torch.Tensor:
     """One MoE layer with LoRA on w13 (2 slices) and w2 (1 slice): y [M, H] in x's dtype.
 
     Without LoRA weights it is the plain MoE layer. ``plan`` (from :func:`plan_layer`) skips the
     routing-metadata work and the id-range checks (which synchronise with the GPU); ``tracer``
-    (see ``profile.timeline``) records per-stream intervals of every stage.
+    (see ``profile.timeline``) records per-stream intervals of every stage. ``lora_ranks`` [L]: the
+    actual rank of each slot, as in :func:`moelora_lab.moe_lora`.
     """
     E, H, I = _check_layer(x, topk_ids, w13, w2)
     check_tensor("w13", w13, dtypes=(x.dtype,), legend="[E, 2I, H] in x's dtype")
@@ -165,6 +167,10 @@ def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=No
                              f"S={s2}, N={n2}, r={r}/{r2}")
         if w13_lora_a[0].dtype != x.dtype:
             raise TypeError(f"w13_lora_a[0]: dtype {w13_lora_a[0].dtype} must equal x's dtype {x.dtype}")
+        if lora_ranks is not None:
+            check_tensor("lora_ranks", lora_ranks, dtypes=INDEX_DTYPES, shape=(L,), legend="[L] actual rank per slot")
+            check_range("lora_ranks", lora_ranks, 0, r + 1, f"ranks of a rank-{r} slot")
+            lora_ranks = lora_ranks.to(device=x.device, dtype=torch.int32).contiguous()
     if plan is None:
         check_routing(topk_ids, token_lora, E, L, topk_weights)
     elif not isinstance(plan, LayerPlan) or (with_lora and plan.lora_blocks is None):
@@ -201,7 +207,7 @@ def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=No
     if with_lora:
         with streams.side("lora_w13", fork):
             run_lora(x, topk_ids, topk_weights, token_lora, w13_lora_a, w13_lora_b, d13, lora_blocks, path,
-                     mul_routed_weight=False, add_inputs=False)
+                     mul_routed_weight=False, add_inputs=False, lora_ranks=lora_ranks)
         streams.join()
     delta13 = d13.view(P, 2 * I) if with_lora else None
     with streams.stage("act", "main"):
@@ -215,7 +221,7 @@ def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=No
     if with_lora:
         with streams.side("lora_w2", fork):
             run_lora(h, topk_ids, topk_weights, token_lora, w2_lora_a, w2_lora_b, d2, lora_blocks, path,
-                     mul_routed_weight=True, add_inputs=False)
+                     mul_routed_weight=True, add_inputs=False, lora_ranks=lora_ranks)
         streams.join()
     delta2 = d2.view(P, H) if with_lora else None
     with streams.stage("sum", "main"):

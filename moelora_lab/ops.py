@@ -16,7 +16,7 @@ import torch
 import triton
 
 from ._backend import INTERPRET
-from ._checks import FLOAT_DTYPES, check_choice, check_tensor
+from ._checks import INDEX_DTYPES, check_choice, check_range, check_tensor
 from .dispatch import PATHS, KernelConfig, choose_config, choose_path, num_sms
 from .align import make_blocks
 from .kernels.one_shot import one_shot_kernel
@@ -42,7 +42,7 @@ def _slices(ws, s0):
     return ws[s0], ws[min(s0 + 1, len(ws) - 1)]
 
 
-def _launch_one_shot(x, lora_a, lora_b, out2d, weights, blocks, cfg, *, top_k, token_rows, mul, add):
+def _launch_one_shot(x, lora_a, lora_b, out2d, weights, blocks, cfg, *, top_k, token_rows, mul, add, ranks=None):
     L, E, R, K = lora_a[0].shape
     N = lora_b[0].shape[2]
     block_r, rank_tiles = cfg.rank_tiling(R)
@@ -56,15 +56,17 @@ def _launch_one_shot(x, lora_a, lora_b, out2d, weights, blocks, cfg, *, top_k, t
         compiled = one_shot_kernel[grid](
             x, *_slices(lora_a, s0), *_slices(lora_b, s0), out2d, weights,
             blocks.sorted_pairs, blocks.block_lora, blocks.block_expert,
+            blocks.block_lora if ranks is None else ranks,
             out2d.shape[0], top_k, K, N, R, s0 * N,
             x.stride(0), x.stride(1), *a.stride(), *b.stride(), out2d.stride(0), out2d.stride(1),
             N_CHUNKS=n_chunks, BLOCK_M=blocks.block_size, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             BLOCK_R=block_r, RANK_TILES=rank_tiles, TOKEN_ROWS=token_rows, MUL_ROUTED_WEIGHT=mul,
-            ADD_INPUTS=add, DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            ADD_INPUTS=add, DOT_PRECISION=precision, HAS_RANKS=ranks is not None,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return compiled   # the compiled kernel on a GPU (registers, spills), for profile.report
 
 
-def _launch_two_kernel(x, lora_a, lora_b, out2d, weights, blocks, cfg, *, top_k, token_rows, mul, add):
+def _launch_two_kernel(x, lora_a, lora_b, out2d, weights, blocks, cfg, *, top_k, token_rows, mul, add, ranks=None):
     L, E, R, K = lora_a[0].shape
     N = lora_b[0].shape[2]
     S = len(lora_a)
@@ -77,18 +79,22 @@ def _launch_two_kernel(x, lora_a, lora_b, out2d, weights, blocks, cfg, *, top_k,
         t = inter[s0:s0 + ns]
         shrink_kernel[(blocks.num_blocks, ns, rank_tiles)](
             x, *_slices(lora_a, s0), t, blocks.sorted_pairs, blocks.block_lora, blocks.block_expert,
-            out2d.shape[0], top_k, K, R, x.stride(0), x.stride(1), *a.stride(), *t.stride(),
+            blocks.block_lora if ranks is None else ranks, out2d.shape[0], top_k, K, R,
+            x.stride(0), x.stride(1), *a.stride(), *t.stride(),
             BLOCK_M=blocks.block_size, BLOCK_K=cfg.block_k, BLOCK_R=block_r, TOKEN_ROWS=token_rows,
-            DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            DOT_PRECISION=precision, HAS_RANKS=ranks is not None, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
         expand_kernel[(blocks.num_blocks, ns, triton.cdiv(N, cfg.block_n))](
             t, *_slices(lora_b, s0), out2d, weights, blocks.sorted_pairs, blocks.block_lora, blocks.block_expert,
-            out2d.shape[0], N, R, s0 * N, *t.stride(), *b.stride(), out2d.stride(0), out2d.stride(1),
+            blocks.block_lora if ranks is None else ranks, out2d.shape[0], N, R, s0 * N,
+            *t.stride(), *b.stride(), out2d.stride(0), out2d.stride(1),
             BLOCK_M=blocks.block_size, BLOCK_N=cfg.block_n, BLOCK_R=block_r, MUL_ROUTED_WEIGHT=mul,
-            ADD_INPUTS=add, DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            ADD_INPUTS=add, DOT_PRECISION=precision, HAS_RANKS=ranks is not None, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
 
 
 def _launch_small_batch(x, lora_a, lora_b, out2d, weights, topk_ids, token_lora, cfg, *, top_k, token_rows,
-                        mul, add):
+                        mul, add, ranks=None):
     L, E, R, K = lora_a[0].shape
     N = lora_b[0].shape[2]
     block_r, rank_tiles = cfg.rank_tiling(R)
@@ -101,11 +107,11 @@ def _launch_small_batch(x, lora_a, lora_b, out2d, weights, topk_ids, token_lora,
         programs = min(work, cfg.programs or 2 * num_sms(x.device))
         small_batch_kernel[(programs,)](
             x, *_slices(lora_a, s0), *_slices(lora_b, s0), out2d, weights, topk_ids, token_lora,
-            out2d.shape[0], top_k, K, N, R, s0 * N, work,
+            token_lora if ranks is None else ranks, out2d.shape[0], top_k, K, N, R, s0 * N, work,
             x.stride(0), x.stride(1), *a.stride(), *b.stride(), out2d.stride(0), out2d.stride(1),
             NUM_SLICES=ns, N_CHUNKS=n_chunks, BLOCK_N=cfg.block_n, BLOCK_K=block_k, BLOCK_R=block_r,
             RANK_TILES=rank_tiles, TOKEN_ROWS=token_rows, MUL_ROUTED_WEIGHT=mul, ADD_INPUTS=add,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            HAS_RANKS=ranks is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def _check_output(output, M, k, SN, x):
@@ -132,13 +138,16 @@ def _check_blocks(alignment, num_pairs, device):
 def moe_lora(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, *, path: str = "auto",
              mul_routed_weight: bool = False, output: torch.Tensor | None = None, add_inputs: bool = True,
              alignment: BlockList | None = None, config: KernelConfig | None = None,
-             enabled: torch.Tensor | None = None) -> torch.Tensor:
+             enabled: torch.Tensor | None = None, lora_ranks: torch.Tensor | None = None) -> torch.Tensor:
     """LoRA delta of every routed pair, added into (or written to) ``output`` [M, k, S*N].
 
     path: 'naive' (PyTorch reference), 'two_kernel', 'one_shot', 'small_batch' or 'auto'.
     alignment: a :class:`BlockList` to reuse (e.g. computed once for w13 and w2 of a layer).
     config: a :class:`KernelConfig`; by default one is chosen from the shapes and the device.
     enabled: optional bool [L]: slots marked False are treated as "no adapter".
+    lora_ranks: optional int [L], the actual rank of each slot (<= r): the Triton paths read only
+        that many rows of A and columns of B, so a rank-8 adapter in a rank-64 slot does not pay
+        for 64. Weights past a slot's rank are never read (they need not even be zero).
     """
     check_choice("path", path, PATHS)
     M, k, L, E, R, K, N, S = _check_op_inputs(x, topk_ids, topk_weights, token_lora, lora_a, lora_b)
@@ -150,6 +159,10 @@ def moe_lora(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, *, path: str
         check_tensor("enabled", enabled, dtypes=(torch.bool,), shape=(L,), legend="[L] bool, one flag per slot")
         token_lora = torch.where(token_lora >= 0, token_lora, 0)
         token_lora = torch.where(enabled.to(x.device)[token_lora.long()] & (token_lora >= 0), token_lora, -1)
+    if lora_ranks is not None:
+        check_tensor("lora_ranks", lora_ranks, dtypes=INDEX_DTYPES, shape=(L,), legend="[L] actual rank per slot")
+        check_range("lora_ranks", lora_ranks, 0, R + 1, f"ranks of a rank-{R} slot")
+        lora_ranks = lora_ranks.to(device=x.device, dtype=torch.int32).contiguous()
     num_pairs = M * k
     if alignment is not None:
         block_m = _check_blocks(alignment, num_pairs, x.device)
@@ -164,6 +177,10 @@ def moe_lora(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, *, path: str
     if path == "auto":
         path = choose_path(num_pairs, E, L, R)
     if path == "naive":
+        if lora_ranks is not None:                       # the spec on weights cut to each slot's rank
+            keep = torch.arange(R, device=x.device)[None, :] < lora_ranks[:, None]       # [L, r]
+            lora_a = [torch.where(keep[:, None, :, None], w, torch.zeros_like(w)) for w in lora_a]
+            lora_b = [torch.where(keep[:, None, None, :], w, torch.zeros_like(w)) for w in lora_b]
         delta = moe_lora_reference(x, topk_ids, topk_weights, token_lora, lora_a, lora_b,
                                    mul_routed_weight=mul_routed_weight)
         owned = (token_lora >= 0).view(M, 1, 1)
@@ -177,19 +194,19 @@ def moe_lora(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, *, path: str
         out32 = output.float()
         moe_lora(x.float(), topk_ids, topk_weights, token_lora, [w.float() for w in lora_a],
                  [w.float() for w in lora_b], path=path, mul_routed_weight=mul_routed_weight, output=out32,
-                 add_inputs=add_inputs, alignment=alignment, config=config)
+                 add_inputs=add_inputs, alignment=alignment, config=config, lora_ranks=lora_ranks)
         return output.copy_(out32)
 
     if alignment is None and path != "small_batch":
         cfg = config or choose_config(path, num_pairs, min(num_pairs, L * E), N, S, x.device)
         alignment = make_blocks(topk_ids, token_lora, E, L, cfg.block_m)
     run_lora(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, output, alignment, path, config,
-             mul_routed_weight=mul_routed_weight, add_inputs=add_inputs)
+             mul_routed_weight=mul_routed_weight, add_inputs=add_inputs, lora_ranks=lora_ranks)
     return output
 
 
 def run_lora(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, output, blocks, path, config=None, *,
-             mul_routed_weight=False, add_inputs=True):
+             mul_routed_weight=False, add_inputs=True, lora_ranks=None):
     """Launch one Triton path on inputs that were already validated (no host synchronisation).
 
     ``blocks`` is the :class:`BlockList` for 'one_shot' / 'two_kernel' (ignored by 'small_batch');
@@ -203,7 +220,7 @@ def run_lora(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, output, bloc
     token_rows = not (x.shape[0] == num_pairs and k > 1)
     weights = topk_weights.reshape(-1).float().contiguous()
     out2d = output.view(num_pairs, S * N)
-    kw = dict(top_k=k, token_rows=token_rows, mul=mul_routed_weight, add=add_inputs)
+    kw = dict(top_k=k, token_rows=token_rows, mul=mul_routed_weight, add=add_inputs, ranks=lora_ranks)
     if path == "small_batch":
         cfg = config or choose_config(path, num_pairs, num_pairs, N, S, x.device)
         _launch_small_batch(x, lora_a, lora_b, out2d, weights, topk_ids.reshape(-1).to(torch.int32).contiguous(),

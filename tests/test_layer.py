@@ -56,6 +56,15 @@ def test_sequential_equals_dual_stream_bitwise(device, rank):
     close(seq, ml.moe_layer_reference(**p.layer_inputs()), torch.float32)
 
 
+def test_layer_with_actual_adapter_ranks(device):
+    p = problem(device, rank=16, seed=10, adapter_ranks=(3, 16, 8))
+    ref = ml.moe_layer_reference(**p.layer_inputs())
+    ranks = torch.tensor(p.adapter_ranks, device=device)
+    close(moe_lora_layer(**p.layer_inputs(), lora_ranks=ranks), ref, torch.float32)
+    with pytest.raises(ValueError, match="lora_ranks: expected shape \\(3,\\)"):
+        moe_lora_layer(**p.layer_inputs(), lora_ranks=ranks[:2])
+
+
 def test_plan_is_reused_and_validated(device):
     p = problem(device, seed=5)
     plan = plan_layer(p.topk_ids, p.token_lora, SHAPE.num_experts, 3, 8, intermediate=SHAPE.intermediate)

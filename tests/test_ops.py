@@ -197,3 +197,28 @@ def test_bf16_on_the_interpreter_is_computed_in_fp32():
     out = moe_lora(**p.w13_lora_inputs(), path="one_shot", config=small_tiles("cpu"))
     assert out.dtype == torch.bfloat16
     assert_close(out, ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS + ["naive"])
+def test_actual_adapter_ranks_skip_the_padding(device, path):
+    """With lora_ranks, weights past each slot's rank are never read: fill them with NaN to prove it."""
+    ranks = (4, 40, 0)
+    p = lora_case(11, rank=48, device=device, seed=12, adapter_ranks=ranks)      # zero-padded: the spec
+    args = tuple(p.w13_lora_inputs().values())
+    ref = ml.moe_lora_reference(*args)
+    poison_a = [w.clone() for w in p.w13_lora_a]
+    poison_b = [w.clone() for w in p.w13_lora_b]
+    for slot, r in enumerate(ranks):
+        for w in poison_a:
+            w[slot, :, r:] = float("nan")
+        for w in poison_b:
+            w[slot, :, :, r:] = float("nan")
+    cfg = None if path == "naive" else small_tiles(device, max_block_r=16)       # several rank tiles
+    out = moe_lora(p.x, p.topk_ids, p.topk_weights, p.token_lora, poison_a, poison_b, path=path, config=cfg,
+                   lora_ranks=torch.tensor(ranks, device=device), add_inputs=False,
+                   output=poisoned(ref.shape, p.x.dtype, device))
+    rows = (p.token_lora >= 0).view(-1, 1, 1).expand_as(out)
+    assert (p.token_lora == 2).any()                    # a rank-0 slot is used: its rows must be written (zeros)
+    assert_close(out[rows], ref[rows], p.x.dtype)
+    with pytest.raises(ValueError, match="lora_ranks: value 49 is out of range; accepted values are 0 .. 48"):
+        moe_lora(*args, lora_ranks=torch.tensor([4, 49, 0], device=device))

@@ -27,6 +27,7 @@ def one_shot_kernel(
     sorted_pairs_ptr,  # [B*BM] int32 pair ids, sentinel num_pairs
     block_lora_ptr,    # [B] int32 adapter of each block, -1 = unused
     block_expert_ptr,  # [B] int32 expert of each block
+    lora_ranks_ptr,    # [L] int32 actual rank of each slot (read if HAS_RANKS)
     num_pairs, top_k, K, N, R, slice_offset,
     stride_xm, stride_xk,
     stride_al, stride_ae, stride_ar, stride_ak,
@@ -36,7 +37,7 @@ def one_shot_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     RANK_TILES: tl.constexpr,         # cdiv(r, BLOCK_R)
     TOKEN_ROWS: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, ADD_INPUTS: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_RANKS: tl.constexpr,
 ):
     tl.static_assert(BLOCK_R >= 16, "tl.dot needs an inner size of at least 16: pad BLOCK_R")
     tl.static_assert(BLOCK_M >= 16, "tl.dot needs at least 16 rows: use BLOCK_M >= 16")
@@ -47,6 +48,9 @@ def one_shot_kernel(
     if lora < 0:
         return                                           # unused block: nothing to do
     expert = tl.load(block_expert_ptr + block)
+    r_lim = R
+    if HAS_RANKS:                                        # a rank-8 adapter in a rank-64 slot reads 8 rows
+        r_lim = tl.minimum(tl.load(lora_ranks_ptr + lora), R)
     a_ptr, b_ptr = slice_pointers(slice_id, a0_ptr, a1_ptr, b0_ptr, b1_ptr)
     a_ptr += lora.to(tl.int64) * stride_al + expert.to(tl.int64) * stride_ae
     b_ptr += lora.to(tl.int64) * stride_bl + expert.to(tl.int64) * stride_be
@@ -64,39 +68,43 @@ def one_shot_kernel(
     out_base = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + (slice_offset + slice_id * N) * stride_on
 
     for rt in range(RANK_TILES):
-        offs_r = rt * BLOCK_R + tl.arange(0, BLOCK_R)
-        r_ok = offs_r < R
-        offs_r = tl.where(r_ok, offs_r, 0)               # masked lanes point at row 0, never past A
-        # ---- shrink: t[BM, BLOCK_R] = X[rows, :] @ A[lora, expert, r-tile, :]^T, fp32 in registers
-        t = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + offs_k
-            if EVEN_K:
-                xk = tl.load(x_base + ks[None, :] * stride_xk, mask=valid[:, None], other=0.0)
-                ak = tl.load(a_ptr + offs_r[None, :] * stride_ar + ks[:, None] * stride_ak,
-                             mask=r_ok[None, :], other=0.0)
-            else:
-                k_ok = ks < K
-                xk = tl.load(x_base + ks[None, :] * stride_xk, mask=valid[:, None] & k_ok[None, :], other=0.0)
-                ak = tl.load(a_ptr + offs_r[None, :] * stride_ar + ks[:, None] * stride_ak,
-                             mask=r_ok[None, :] & k_ok[:, None], other=0.0)
-            t = tl.dot(xk, ak, t, input_precision=DOT_PRECISION)                  # [BM, BK] @ [BK, BR]
-        t = t.to(x_ptr.dtype.element_ty)
-        # ---- expand: out[rows, n-tile] (+)= w * t @ B[lora, expert, n-tile, r-tile]^T
-        for n0 in range(n_lo, n_hi, BLOCK_N):
-            ns = n0 + offs_n
-            n_ok = ns < n_hi
-            bt = tl.load(b_ptr + ns[None, :] * stride_bn + offs_r[:, None] * stride_br,
-                         mask=n_ok[None, :] & r_ok[:, None], other=0.0)            # [BR, BN]
-            acc = tl.dot(t, bt, input_precision=DOT_PRECISION)                     # [BM, BN] fp32
-            if MUL_ROUTED_WEIGHT:
-                acc = acc * weight[:, None]
-            mask = valid[:, None] & n_ok[None, :]
-            out = out_base + ns[None, :] * stride_on
-            if ADD_INPUTS:
-                acc += tl.load(out, mask=mask, other=0.0).to(tl.float32)
-            elif rt > 0:
-                acc += tl.load(out, mask=mask, other=0.0).to(tl.float32)       # earlier rank tiles
-            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
-        if RANK_TILES > 1:
-            tl.debug_barrier()   # the next rank tile re-reads what other threads of this program stored
+        run = True                                   # without HAS_RANKS: every tile, no branch
+        if HAS_RANKS:                                # tile 0 always runs, so owned rows get written
+            run = (rt == 0) | (rt * BLOCK_R < r_lim)
+        if run:
+            offs_r = rt * BLOCK_R + tl.arange(0, BLOCK_R)
+            r_ok = offs_r < r_lim
+            offs_r = tl.where(r_ok, offs_r, 0)               # masked lanes point at row 0, never past A
+            # ---- shrink: t[BM, BLOCK_R] = X[rows, :] @ A[lora, expert, r-tile, :]^T, fp32 in registers
+            t = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + offs_k
+                if EVEN_K:
+                    xk = tl.load(x_base + ks[None, :] * stride_xk, mask=valid[:, None], other=0.0)
+                    ak = tl.load(a_ptr + offs_r[None, :] * stride_ar + ks[:, None] * stride_ak,
+                                 mask=r_ok[None, :], other=0.0)
+                else:
+                    k_ok = ks < K
+                    xk = tl.load(x_base + ks[None, :] * stride_xk, mask=valid[:, None] & k_ok[None, :], other=0.0)
+                    ak = tl.load(a_ptr + offs_r[None, :] * stride_ar + ks[:, None] * stride_ak,
+                                 mask=r_ok[None, :] & k_ok[:, None], other=0.0)
+                t = tl.dot(xk, ak, t, input_precision=DOT_PRECISION)                  # [BM, BK] @ [BK, BR]
+            t = t.to(x_ptr.dtype.element_ty)
+            # ---- expand: out[rows, n-tile] (+)= w * t @ B[lora, expert, n-tile, r-tile]^T
+            for n0 in range(n_lo, n_hi, BLOCK_N):
+                ns = n0 + offs_n
+                n_ok = ns < n_hi
+                bt = tl.load(b_ptr + ns[None, :] * stride_bn + offs_r[:, None] * stride_br,
+                             mask=n_ok[None, :] & r_ok[:, None], other=0.0)            # [BR, BN]
+                acc = tl.dot(t, bt, input_precision=DOT_PRECISION)                     # [BM, BN] fp32
+                if MUL_ROUTED_WEIGHT:
+                    acc = acc * weight[:, None]
+                mask = valid[:, None] & n_ok[None, :]
+                out = out_base + ns[None, :] * stride_on
+                if ADD_INPUTS:
+                    acc += tl.load(out, mask=mask, other=0.0).to(tl.float32)
+                elif rt > 0:
+                    acc += tl.load(out, mask=mask, other=0.0).to(tl.float32)       # earlier rank tiles
+                tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+            if RANK_TILES > 1:
+                tl.debug_barrier()   # the next rank tile re-reads what other threads of this program stored

@@ -24,6 +24,7 @@ def small_batch_kernel(
     topk_weights_ptr,  # [M*k] fp32
     topk_ids_ptr,      # [M*k] int32 expert of each pair
     token_lora_ptr,    # [M] int32 adapter of each token, -1 = none
+    lora_ranks_ptr,    # [L] int32 actual rank of each slot (read if HAS_RANKS)
     num_pairs, top_k, K, N, R, slice_offset, num_work,
     stride_xm, stride_xk,
     stride_al, stride_ae, stride_ar, stride_ak,
@@ -32,6 +33,7 @@ def small_batch_kernel(
     NUM_SLICES: tl.constexpr, N_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     RANK_TILES: tl.constexpr,
     TOKEN_ROWS: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, ADD_INPUTS: tl.constexpr,
+    HAS_RANKS: tl.constexpr,
 ):
     offs_k = tl.arange(0, BLOCK_K)
     offs_n = tl.arange(0, BLOCK_N)
@@ -43,6 +45,9 @@ def small_batch_kernel(
         lora = tl.load(token_lora_ptr + pair // top_k)
         if lora >= 0:
             expert = tl.load(topk_ids_ptr + pair)
+            r_lim = R
+            if HAS_RANKS:
+                r_lim = tl.minimum(tl.load(lora_ranks_ptr + lora), R)
             a_ptr, b_ptr = slice_pointers(slice_id, a0_ptr, a1_ptr, b0_ptr, b1_ptr)
             a_ptr += lora.to(tl.int64) * stride_al + expert.to(tl.int64) * stride_ae
             b_ptr += lora.to(tl.int64) * stride_bl + expert.to(tl.int64) * stride_be
@@ -54,31 +59,35 @@ def small_batch_kernel(
             if MUL_ROUTED_WEIGHT:
                 weight = tl.load(topk_weights_ptr + pair)
             for rt in range(RANK_TILES):
-                offs_r = rt * BLOCK_R + tl.arange(0, BLOCK_R)
-                r_ok = offs_r < R
-                offs_r = tl.where(r_ok, offs_r, 0)
-                part = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
-                for k0 in range(0, K, BLOCK_K):
-                    ks = k0 + offs_k
-                    k_ok = ks < K
-                    xk = tl.load(x_base + ks * stride_xk, mask=k_ok, other=0.0).to(tl.float32)        # [BK]
-                    ak = tl.load(a_ptr + offs_r[:, None] * stride_ar + ks[None, :] * stride_ak,
-                                 mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)     # [BR, BK]
-                    part += ak * xk[None, :]
-                t = tl.sum(part, axis=1).to(x_ptr.dtype.element_ty).to(tl.float32)   # [BR], same rounding as one-shot
-                for n0 in range(n_lo, n_hi, BLOCK_N):
-                    ns = n0 + offs_n
-                    n_ok = ns < n_hi
-                    bt = tl.load(b_ptr + ns[:, None] * stride_bn + offs_r[None, :] * stride_br,
-                                 mask=n_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)     # [BN, BR]
-                    acc = tl.sum(bt * t[None, :], axis=1)                                          # [BN]
-                    if MUL_ROUTED_WEIGHT:
-                        acc = acc * weight
-                    out = out_base + ns * stride_on
-                    if ADD_INPUTS:
-                        acc += tl.load(out, mask=n_ok, other=0.0).to(tl.float32)
-                    elif rt > 0:
-                        acc += tl.load(out, mask=n_ok, other=0.0).to(tl.float32)
-                    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
-                if RANK_TILES > 1:
-                    tl.debug_barrier()
+                run = True                                   # without HAS_RANKS: every tile, no branch
+                if HAS_RANKS:                                # tile 0 always runs, so owned rows get written
+                    run = (rt == 0) | (rt * BLOCK_R < r_lim)
+                if run:
+                    offs_r = rt * BLOCK_R + tl.arange(0, BLOCK_R)
+                    r_ok = offs_r < r_lim
+                    offs_r = tl.where(r_ok, offs_r, 0)
+                    part = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
+                    for k0 in range(0, K, BLOCK_K):
+                        ks = k0 + offs_k
+                        k_ok = ks < K
+                        xk = tl.load(x_base + ks * stride_xk, mask=k_ok, other=0.0).to(tl.float32)        # [BK]
+                        ak = tl.load(a_ptr + offs_r[:, None] * stride_ar + ks[None, :] * stride_ak,
+                                     mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)     # [BR, BK]
+                        part += ak * xk[None, :]
+                    t = tl.sum(part, axis=1).to(x_ptr.dtype.element_ty).to(tl.float32)   # [BR], same rounding as one-shot
+                    for n0 in range(n_lo, n_hi, BLOCK_N):
+                        ns = n0 + offs_n
+                        n_ok = ns < n_hi
+                        bt = tl.load(b_ptr + ns[:, None] * stride_bn + offs_r[None, :] * stride_br,
+                                     mask=n_ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)     # [BN, BR]
+                        acc = tl.sum(bt * t[None, :], axis=1)                                          # [BN]
+                        if MUL_ROUTED_WEIGHT:
+                            acc = acc * weight
+                        out = out_base + ns * stride_on
+                        if ADD_INPUTS:
+                            acc += tl.load(out, mask=n_ok, other=0.0).to(tl.float32)
+                        elif rt > 0:
+                            acc += tl.load(out, mask=n_ok, other=0.0).to(tl.float32)
+                        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+                    if RANK_TILES > 1:
+                        tl.debug_barrier()

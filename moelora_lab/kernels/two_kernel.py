@@ -21,12 +21,13 @@ def shrink_kernel(
     a0_ptr, a1_ptr,    # LoRA A of slices 0 and 1: [L, E, r, K]
     t_ptr,             # [S, M*k, r] intermediate, x's dtype (zero-filled by the launcher)
     sorted_pairs_ptr, block_lora_ptr, block_expert_ptr,   # BlockList: [B*BM], [B], [B] int32
+    lora_ranks_ptr,    # [L] int32 actual rank of each slot (read if HAS_RANKS)
     num_pairs, top_k, K, R,
     stride_xm, stride_xk,
     stride_al, stride_ae, stride_ar, stride_ak,
     stride_ts, stride_tm, stride_tr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    TOKEN_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TOKEN_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_RANKS: tl.constexpr,
 ):
     """Program (block, slice, rank tile): T[s, rows, r-tile] = X[rows] @ A[l, e, r-tile]^T."""
     block = tl.program_id(0)
@@ -34,13 +35,18 @@ def shrink_kernel(
     lora = tl.load(block_lora_ptr + block)
     if lora < 0:
         return
+    r_lim = R
+    if HAS_RANKS:
+        r_lim = tl.minimum(tl.load(lora_ranks_ptr + lora), R)
+    if tl.program_id(2) * BLOCK_R >= r_lim:
+        return                                           # past the adapter's rank: T stays zero
     expert = tl.load(block_expert_ptr + block)
     a_ptr, _ = slice_pointers(slice_id, a0_ptr, a1_ptr, a0_ptr, a1_ptr)
     a_ptr += lora.to(tl.int64) * stride_al + expert.to(tl.int64) * stride_ae
     pairs, valid, x_rows = block_rows(sorted_pairs_ptr, block, num_pairs, top_k, BLOCK_M, TOKEN_ROWS)
 
     offs_r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
-    r_ok = offs_r < R
+    r_ok = offs_r < r_lim
     offs_r = tl.where(r_ok, offs_r, 0)
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -63,12 +69,14 @@ def expand_kernel(
     out_ptr,           # [M*k, S*N] rows of the [M, k, S*N] output
     topk_weights_ptr,  # [M*k] fp32
     sorted_pairs_ptr, block_lora_ptr, block_expert_ptr,
+    lora_ranks_ptr,    # [L] int32 (read if HAS_RANKS)
     num_pairs, N, R, slice_offset,
     stride_ts, stride_tm, stride_tr,
     stride_bl, stride_be, stride_bn, stride_br,
     stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr, ADD_INPUTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_RANKS: tl.constexpr,
 ):
     """Program (block, slice, N tile): out[rows, n-tile] (+)= w * T[s, rows] @ B[l, e, n-tile]^T."""
     block = tl.program_id(0)
@@ -77,6 +85,9 @@ def expand_kernel(
     if lora < 0:
         return
     expert = tl.load(block_expert_ptr + block)
+    r_lim = R
+    if HAS_RANKS:
+        r_lim = tl.minimum(tl.load(lora_ranks_ptr + lora), R)
     _, b_ptr = slice_pointers(slice_id, b0_ptr, b1_ptr, b0_ptr, b1_ptr)
     b_ptr += lora.to(tl.int64) * stride_bl + expert.to(tl.int64) * stride_be
     pairs, valid, _ = block_rows(sorted_pairs_ptr, block, num_pairs, 1, BLOCK_M, False)
@@ -85,9 +96,9 @@ def expand_kernel(
     n_ok = offs_n < N
     offs_r = tl.arange(0, BLOCK_R)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for r0 in range(0, R, BLOCK_R):
+    for r0 in range(0, r_lim, BLOCK_R):
         rs = r0 + offs_r
-        r_ok = rs < R
+        r_ok = rs < r_lim
         t = tl.load(t_ptr + slice_id * stride_ts + pairs.to(tl.int64)[:, None] * stride_tm + rs[None, :] * stride_tr,
                     mask=valid[:, None] & r_ok[None, :], other=0.0)                    # [BM, BR] from HBM
         bt = tl.load(b_ptr + offs_n[None, :] * stride_bn + rs[:, None] * stride_br,

@@ -1,0 +1,110 @@
+"""Compile every kernel for an NVIDIA Hopper GPU (sm_90) without one: Triton's own ptxas does it.
+
+Run as a script (``MOELORA_INTERPRET=0`` so the kernels are built for the compiler, not the
+interpreter); prints one line per kernel variant and exits non-zero on the first failure.
+"""
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ["MOELORA_INTERPRET"] = "0"
+
+import triton  # noqa: E402  (after the switch: moelora_lab is imported below, kernels after it)
+
+import moelora_lab  # noqa: E402,F401
+from moelora_lab.kernels import align, base_moe, one_shot, small_batch, two_kernel  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+UNIT_STRIDES = ("stride_xk", "stride_ak", "stride_br", "stride_on", "stride_tr", "stride_wk")
+
+
+def build(kernel, types: dict, constexprs: dict, num_warps=4, num_stages=3):
+    """Compile as a launch on contiguous 16-byte-aligned tensors would: unit strides become the
+    constant 1 and every other pointer and integer is known divisible by 16 (except top_k)."""
+    fn = kernel
+    while not isinstance(fn, JITFunction):                   # unwrap @triton.heuristics
+        fn = fn.fn
+    constexprs = dict(constexprs, **{n: 1 for n in UNIT_STRIDES if n in fn.arg_names})
+    sig = {name: ("constexpr" if name in constexprs else types.get(name, "i32")) for name in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+             if sig[name] != "constexpr" and name != "top_k"}
+    src = ASTSource(fn, sig, constexprs, attrs)
+    return triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def resources(compiled) -> dict:
+    """Registers per thread and spill stack bytes of a compiled kernel, read from its cubin by the
+    cuobjdump that ships with Triton (no GPU needed)."""
+    cuobjdump = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        out = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    return dict(regs=int(found.group(1)), stack=int(found.group(2)))
+
+
+def ptrs(*names, dtype="bf16"):
+    return {n: f"*{dtype}" for n in names}
+
+
+def main():
+    i32 = "*i32"
+    lora = dict(ptrs("x_ptr", "a0_ptr", "a1_ptr", "b0_ptr", "b1_ptr", "out_ptr", "t_ptr"),
+                topk_weights_ptr="*fp32", sorted_pairs_ptr=i32, block_lora_ptr=i32, block_expert_ptr=i32,
+                lora_ranks_ptr=i32, topk_ids_ptr=i32, token_lora_ptr=i32)
+    common = dict(TOKEN_ROWS=True, MUL_ROUTED_WEIGHT=True, ADD_INPUTS=False, DOT_PRECISION="tf32")
+    cases = []
+    for tiles, ranks in ((1, False), (2, True), (4, True)):
+        cases.append((f"one_shot rank_tiles={tiles} ranks={ranks}", one_shot.one_shot_kernel, lora,
+                      dict(common, N_CHUNKS=2, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, BLOCK_R=128, RANK_TILES=tiles,
+                           EVEN_K=True, HAS_RANKS=ranks)))
+    cases += [
+        ("shrink", two_kernel.shrink_kernel, lora, dict(BLOCK_M=16, BLOCK_K=128, BLOCK_R=64, TOKEN_ROWS=True,
+                                                        DOT_PRECISION="tf32", HAS_RANKS=True)),
+        ("expand", two_kernel.expand_kernel, lora, dict(BLOCK_M=16, BLOCK_N=128, BLOCK_R=64, MUL_ROUTED_WEIGHT=True,
+                                                        ADD_INPUTS=True, DOT_PRECISION="tf32", HAS_RANKS=True)),
+        ("small_batch", small_batch.small_batch_kernel, lora,
+         dict(NUM_SLICES=2, N_CHUNKS=4, BLOCK_N=64, BLOCK_K=64, BLOCK_R=128, RANK_TILES=2, TOKEN_ROWS=True,
+              MUL_ROUTED_WEIGHT=False, ADD_INPUTS=True, HAS_RANKS=True)),
+        ("moe_gemm", base_moe.moe_gemm_kernel, dict(ptrs("x_ptr", "w_ptr", "out_ptr"), topk_weights_ptr="*fp32",
+                                                    sorted_pairs_ptr=i32, block_expert_ptr=i32),
+         dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, TOKEN_ROWS=True, MUL_ROUTED_WEIGHT=True, EVEN_K=True,
+              DOT_PRECISION="tf32")),
+        ("silu_and_mul", base_moe.silu_and_mul_kernel, dict(ptrs("c1_ptr", "delta_ptr", "h_ptr"), token_lora_ptr=i32),
+         dict(BLOCK=1024, HAS_DELTA=True)),
+        ("topk_sum", base_moe.topk_sum_kernel, dict(ptrs("c3_ptr", "delta_ptr", "y_ptr"), token_lora_ptr=i32),
+         dict(BLOCK=1024, HAS_DELTA=True)),
+    ]
+    ai = dict(topk_ids_ptr=i32, token_lora_ptr=i32, counts_ptr=i32, cursor_ptr=i32, first_block_ptr=i32,
+              sorted_pairs_ptr=i32, block_lora_ptr=i32, block_expert_ptr=i32)
+    cases += [
+        ("align.count", align.count_kernel, ai, dict(C=256, GP=1024)),
+        ("align.scan", align.scan_kernel, ai, dict(BS=16, GP=1024)),
+        ("align.scatter", align.scatter_kernel, ai, dict(C=256, SUB=64, GP=1024, BS=16)),
+        ("align.table", align.table_kernel, ai, dict(BB=4, GP=1024)),
+    ]
+    for name, kernel, types, constexprs in cases:
+        compiled = build(kernel, types, constexprs)
+        assert compiled.asm.get("cubin"), name
+        print(f"ok {name}: shared {compiled.metadata.shared} bytes, sm_90 cubin {len(compiled.asm['cubin'])} bytes")
+    # the register story of the fused kernel at r = 512, BLOCK_M = 64 (w13: no routing weight), as in
+    # data/h200/registers.csv: one 512-wide register tile spills to the stack; four tiles of 128 do not
+    base = dict(common, MUL_ROUTED_WEIGHT=False, N_CHUNKS=1, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, EVEN_K=True,
+                HAS_RANKS=False)
+    tiled = resources(build(one_shot.one_shot_kernel, lora, dict(base, BLOCK_R=128, RANK_TILES=4)))
+    whole = resources(build(one_shot.one_shot_kernel, lora, dict(base, BLOCK_R=512, RANK_TILES=1)))
+    print(f"one_shot r=512: 4 tiles of 128 -> {tiled}; 1 tile of 512 -> {whole}")
+    assert tiled["stack"] == 0 and whole["stack"] > 0, (tiled, whole)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
