@@ -29,3 +29,12 @@ def block_rows(sorted_pairs_ptr, block, num_pairs, top_k, BLOCK_M: tl.constexpr,
     else:
         x_rows = pairs               # w2: one input row per pair
     return pairs, valid, x_rows
+
+
+@triton.jit
+def slot_rank(lora_ranks_ptr, lora, R, HAS_RANKS: tl.constexpr):
+    """The rank this adapter slot really uses: its entry of lora_ranks (<= r), or r without one."""
+    r_lim = R
+    if HAS_RANKS:
+        r_lim = tl.minimum(tl.load(lora_ranks_ptr + lora), R)
+    return r_lim

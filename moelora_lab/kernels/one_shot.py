@@ -13,7 +13,7 @@ the fusion is kept (the output rows are re-read once per extra rank tile, never 
 import triton
 import triton.language as tl
 
-from .common import block_rows, slice_pointers
+from .common import block_rows, slice_pointers, slot_rank
 
 
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
@@ -48,9 +48,7 @@ def one_shot_kernel(
     if lora < 0:
         return                                           # unused block: nothing to do
     expert = tl.load(block_expert_ptr + block)
-    r_lim = R
-    if HAS_RANKS:                                        # a rank-8 adapter in a rank-64 slot reads 8 rows
-        r_lim = tl.minimum(tl.load(lora_ranks_ptr + lora), R)
+    r_lim = slot_rank(lora_ranks_ptr, lora, R, HAS_RANKS)   # a rank-8 adapter in a rank-64 slot reads 8 rows
     a_ptr, b_ptr = slice_pointers(slice_id, a0_ptr, a1_ptr, b0_ptr, b1_ptr)
     a_ptr += lora.to(tl.int64) * stride_al + expert.to(tl.int64) * stride_ae
     b_ptr += lora.to(tl.int64) * stride_bl + expert.to(tl.int64) * stride_be

@@ -12,7 +12,7 @@ as in the one-shot kernel.
 import triton
 import triton.language as tl
 
-from .common import slice_pointers
+from .common import slice_pointers, slot_rank
 
 
 @triton.jit
@@ -45,9 +45,7 @@ def small_batch_kernel(
         lora = tl.load(token_lora_ptr + pair // top_k)
         if lora >= 0:
             expert = tl.load(topk_ids_ptr + pair)
-            r_lim = R
-            if HAS_RANKS:
-                r_lim = tl.minimum(tl.load(lora_ranks_ptr + lora), R)
+            r_lim = slot_rank(lora_ranks_ptr, lora, R, HAS_RANKS)
             a_ptr, b_ptr = slice_pointers(slice_id, a0_ptr, a1_ptr, b0_ptr, b1_ptr)
             a_ptr += lora.to(tl.int64) * stride_al + expert.to(tl.int64) * stride_ae
             b_ptr += lora.to(tl.int64) * stride_bl + expert.to(tl.int64) * stride_be

@@ -12,7 +12,7 @@ the extra launches, not sloppiness.
 import triton
 import triton.language as tl
 
-from .common import block_rows, slice_pointers
+from .common import block_rows, slice_pointers, slot_rank
 
 
 @triton.jit
@@ -35,9 +35,7 @@ def shrink_kernel(
     lora = tl.load(block_lora_ptr + block)
     if lora < 0:
         return
-    r_lim = R
-    if HAS_RANKS:
-        r_lim = tl.minimum(tl.load(lora_ranks_ptr + lora), R)
+    r_lim = slot_rank(lora_ranks_ptr, lora, R, HAS_RANKS)
     if tl.program_id(2) * BLOCK_R >= r_lim:
         return                                           # past the adapter's rank: T stays zero
     expert = tl.load(block_expert_ptr + block)
@@ -85,9 +83,7 @@ def expand_kernel(
     if lora < 0:
         return
     expert = tl.load(block_expert_ptr + block)
-    r_lim = R
-    if HAS_RANKS:
-        r_lim = tl.minimum(tl.load(lora_ranks_ptr + lora), R)
+    r_lim = slot_rank(lora_ranks_ptr, lora, R, HAS_RANKS)
     _, b_ptr = slice_pointers(slice_id, b0_ptr, b1_ptr, b0_ptr, b1_ptr)
     b_ptr += lora.to(tl.int64) * stride_bl + expert.to(tl.int64) * stride_be
     pairs, valid, _ = block_rows(sorted_pairs_ptr, block, num_pairs, 1, BLOCK_M, False)

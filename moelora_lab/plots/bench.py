@@ -30,6 +30,17 @@ def plot_band(ax, rows, style, *, x="M", y="us_median", low="us_p20", high="us_p
                     alpha=0.15, linewidth=0)
 
 
+def log_axes(ax, ylabel, title, xlabel="tokens M"):
+    """Log-log axes (x in powers of two) with labels, title, grid and a small legend."""
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+
+
 def _save(fig, path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -56,13 +67,7 @@ def draw_time_vs_tokens(ax, rows, *, preset, op, rank, paths=("two_kernel", "one
         if ref:
             ax.plot([r["M"] for r in ref], [r["vllm_dispatch_us"] for r in ref], color="#ff7f0e",
                     marker="*", linestyle="-.", label="vLLM dispatch (H200)")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("tokens M")
-    ax.set_ylabel("time per call (µs)")
-    ax.set_title(f"{preset} {op}, rank {rank}")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
+    log_axes(ax, "time per call (µs)", f"{preset} {op}, rank {rank}")
 
 
 def draw_roofline(ax, rows, *, peak_tflops=790.0, bandwidth_tbps=None, label_key="path"):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .bench import plot_band, select
+from .bench import log_axes, plot_band, select
 
 VARIANT_STYLE = {
     "no_lora": dict(color="black", marker="o", label="no LoRA"),
@@ -26,20 +26,10 @@ def _variant_lines(ax, rows, *, preset, rank, variants, styles):
             plot_band(ax, sel, dict(styles.get(v, dict(label=v))))
 
 
-def _log_axes(ax, ylabel, title):
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("tokens M")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-
-
 def draw_layer_times(ax, rows, *, preset, rank, variants=tuple(VARIANT_STYLE)):
     """Layer time against M for each variant (log-log), with the p20-p80 band."""
     _variant_lines(ax, rows, preset=preset, rank=rank, variants=variants, styles=VARIANT_STYLE)
-    _log_axes(ax, "layer time (µs)", f"{preset}, rank {rank}")
+    log_axes(ax, "layer time (µs)", f"{preset}, rank {rank}")
 
 
 def lora_overhead(rows, *, preset, rank, variant="dual_stream"):
@@ -267,13 +257,7 @@ def draw_join_savings(ax, rows, *, preset: str, ranks, schedules=("sequential", 
                         label=f"measured, r={rank}, {'two streams' if sched == 'dual_stream' else 'one stream'}")
     if predicted:
         ax.plot(*zip(*predicted), color="black", linestyle="--", label="predicted: extra bytes / copy rate")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("tokens M")
-    ax.set_ylabel("vLLM join − folded join (µs per layer)")
-    ax.set_title(f"{preset}: what the folded join saves")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
+    log_axes(ax, "vLLM join − folded join (µs per layer)", f"{preset}: what the folded join saves")
 
 
 BASE_STYLE = {
@@ -293,4 +277,4 @@ def draw_base_and_plan(ax, rows, *, preset: str, rank: int, variants=tuple(BASE_
     if device_plan:
         ax.plot(*zip(*sorted(device_plan)), color=BASE_STYLE["plan"]["color"], marker="+", linestyle=":",
                 label="routing plan (Triton kernels, 2 block lists)")
-    _log_axes(ax, "time per call (µs)", f"{preset}: the base GEMMs and the routing plan")
+    log_axes(ax, "time per call (µs)", f"{preset}: the base GEMMs and the routing plan")
