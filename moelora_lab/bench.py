@@ -18,6 +18,11 @@ from pathlib import Path
 import torch
 
 DEFAULT_OUT = Path(__file__).parent / "data" / "h200"
+DEVICE = "cuda"   # the benchmarks run on CUDA; tests point this at the CPU to run the pipeline end to end
+
+
+def device() -> str:
+    return DEVICE
 KERNEL_PATHS = ("two_kernel", "one_shot", "small_batch", "auto")
 
 
@@ -25,9 +30,9 @@ def _lora_weights(shape, op, num_loras, rank, dtype, gen):
     """Random A [L, E, r, K] and B [L, E, N, r] for the w13 (2 slices) or w2 (1 slice) op, on the GPU."""
     H, I, E = shape.hidden, shape.intermediate, shape.num_experts
     k_in, n_out, slices = (H, I, 2) if op == "w13" else (I, H, 1)
-    a = [torch.randn(num_loras, E, rank, k_in, device="cuda", generator=gen, dtype=dtype) / k_in ** 0.5
+    a = [torch.randn(num_loras, E, rank, k_in, device=device(), generator=gen, dtype=dtype) / k_in ** 0.5
          for _ in range(slices)]
-    b = [torch.randn(num_loras, E, n_out, rank, device="cuda", generator=gen, dtype=dtype) / rank ** 0.5
+    b = [torch.randn(num_loras, E, n_out, rank, device=device(), generator=gen, dtype=dtype) / rank ** 0.5
          for _ in range(slices)]
     return a, b
 
@@ -64,7 +69,7 @@ def run_kernels(args) -> list[dict]:
     prov = provenance("python -m moelora_lab.bench " + " ".join(shlex.quote(a) for a in args.argv))
     copy_bps = copy_bandwidth()
     print(f"{prov['gpu']}: copy ceiling {copy_bps / 1e12:.3f} TB/s", file=sys.stderr)
-    gen = torch.Generator(device="cuda").manual_seed(args.seed)
+    gen = torch.Generator(device=device()).manual_seed(args.seed)
     rows = []
     cases = list(_kernel_cases(args))
     bar = tqdm(total=len(cases) * len(args.tokens), desc="kernels", unit="case")
@@ -75,10 +80,10 @@ def run_kernels(args) -> list[dict]:
         for M in args.tokens:
             bar.update()
             r = make_routing(shape, L, M, seed=args.seed + M, num_sequences=min(M, 8))
-            topk_ids, topk_w, token_lora = (r[n].cuda() for n in ("topk_ids", "topk_weights", "token_lora"))
+            topk_ids, topk_w, token_lora = (r[n].to(device()) for n in ("topk_ids", "topk_weights", "token_lora"))
             rows_in = M if op == "w13" else M * k
-            x = torch.randn(rows_in, k_in, device="cuda", generator=gen, dtype=dtype)
-            out = torch.randn(M, k, S * n_out, device="cuda", generator=gen, dtype=dtype)
+            x = torch.randn(rows_in, k_in, device=device(), generator=gen, dtype=dtype)
+            out = torch.randn(M, k, S * n_out, device=device(), generator=gen, dtype=dtype)
             work = count_workload(topk_ids, token_lora, E, L)
             mul = op == "w2"
             for path, override in _variants(args):
@@ -156,7 +161,7 @@ def run_align(args) -> list[dict]:
         shape = MoEShape.from_name(preset)
         for M in args.tokens:
             r = make_routing(shape, args.loras, M, seed=args.seed + M, num_sequences=min(M, 8))
-            ids, lora = r["topk_ids"].cuda(), r["token_lora"].cuda()
+            ids, lora = r["topk_ids"].to(device()), r["token_lora"].to(device())
             E, L, bs = shape.num_experts, args.loras, args.block_size
             fns = {"torch_ops": lambda: block_list(ids, lora, E, L, bs),
                    "triton_kernels": lambda: block_list_device(ids, lora, E, L, bs, validate=False)}
@@ -220,6 +225,7 @@ def parse_args(argv):
     y.add_argument("--tokens", nargs="+", type=int, default=[1, 16, 64, 128, 512, 2048, 8192])
     y.add_argument("--ranks", nargs="+", type=int, default=[16, 64])
     y.add_argument("--loras", type=int, default=4)
+    y.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     y.add_argument("--variants", nargs="+", default=None, help="subset of bench_layer.VARIANTS")
     y.add_argument("--trace-tokens", nargs="+", type=int, default=[16, 2048])
     y.add_argument("--trace-ranks", nargs="+", type=int, default=[16, 64])
@@ -246,7 +252,7 @@ def parse_args(argv):
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and DEVICE == "cuda":
         print("the benchmark times CUDA kernels and needs a GPU; on the CPU, read the committed CSVs under "
               f"{DEFAULT_OUT} (the notebooks plot them)", file=sys.stderr)
         return 2

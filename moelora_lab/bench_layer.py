@@ -20,13 +20,15 @@ import time
 
 import torch
 
+from .bench import device
+
 VARIANTS = ("no_lora", "sequential", "dual_stream", "sequential_vllm_join", "dual_stream_vllm_join",
             "base_gemms", "grouped_mm", "plan")
 
 
-def _weights(shape, L, rank, gen):
+def _weights(shape, L, rank, gen, dtype):
     E, H, I = shape.num_experts, shape.hidden, shape.intermediate
-    rnd = lambda *s, fan: torch.randn(*s, device="cuda", generator=gen, dtype=torch.bfloat16) / fan ** 0.5
+    rnd = lambda *s, fan: torch.randn(*s, device=device(), generator=gen, dtype=dtype) / fan ** 0.5
     lora = dict(w13_lora_a=[rnd(L, E, rank, H, fan=H) for _ in range(2)],
                 w13_lora_b=[rnd(L, E, I, rank, fan=rank) for _ in range(2)],
                 w2_lora_a=[rnd(L, E, rank, I, fan=I)], w2_lora_b=[rnd(L, E, H, rank, fan=rank)])
@@ -54,9 +56,10 @@ def run_layer(args) -> tuple[list[dict], dict]:
     from .profile.timing import copy_bandwidth, provenance, time_cuda
     from .profile.traffic import count_workload, layer_traffic
 
+    dtype = getattr(torch, args.dtype)
     prov = provenance("python -m moelora_lab.bench " + " ".join(shlex.quote(a) for a in args.argv))
     copy_bps = copy_bandwidth()
-    gen = torch.Generator(device="cuda").manual_seed(args.seed)
+    gen = torch.Generator(device=device()).manual_seed(args.seed)
     rows, traces = [], {}
     cases = [(p, r, m) for p in args.presets for r in args.ranks for m in args.tokens]
     start = time.monotonic()
@@ -67,18 +70,18 @@ def run_layer(args) -> tuple[list[dict], dict]:
         shape = MoEShape.from_name(preset)
         E, H, I, k, L = shape.num_experts, shape.hidden, shape.intermediate, shape.top_k, args.loras
         if not rows or rows[-1]["preset"] != preset:
-            w13 = torch.randn(E, 2 * I, H, device="cuda", generator=gen, dtype=torch.bfloat16) / H ** 0.5
-            w2 = torch.randn(E, H, I, device="cuda", generator=gen, dtype=torch.bfloat16) / I ** 0.5
-        lora = _weights(shape, L, rank, gen)
+            w13 = torch.randn(E, 2 * I, H, device=device(), generator=gen, dtype=dtype) / H ** 0.5
+            w2 = torch.randn(E, H, I, device=device(), generator=gen, dtype=dtype) / I ** 0.5
+        lora = _weights(shape, L, rank, gen, dtype)
         rt = make_routing(shape, L, M, seed=args.seed + M, num_sequences=min(M, 8))
-        ids, tw, tl = (rt[n].cuda() for n in ("topk_ids", "topk_weights", "token_lora"))
-        x = torch.randn(M, H, device="cuda", generator=gen, dtype=torch.bfloat16)
+        ids, tw, tl = (rt[n].to(device()) for n in ("topk_ids", "topk_weights", "token_lora"))
+        x = torch.randn(M, H, device=device(), generator=gen, dtype=dtype)
         plan_l = plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I)
         plan_b = plan_layer(ids, tl, E, None, None)
         base = (x, ids, tw, tl, w13, w2)
-        h = torch.randn(M * k, I, device="cuda", generator=gen, dtype=torch.bfloat16)
-        c1 = torch.empty(M * k, 2 * I, device="cuda", dtype=torch.bfloat16)
-        c3 = torch.empty(M * k, H, device="cuda", dtype=torch.bfloat16)
+        h = torch.randn(M * k, I, device=device(), generator=gen, dtype=dtype)
+        c1 = torch.empty(M * k, 2 * I, device=device(), dtype=dtype)
+        c3 = torch.empty(M * k, H, device=device(), dtype=dtype)
         tiles, wflat = gemm_tiles(M * k, E), tw.reshape(-1).contiguous()
         fns = {
             "no_lora": lambda: moe_lora_layer(*base, plan=plan_b),
