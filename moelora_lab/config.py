@@ -215,7 +215,6 @@ def make_problem(
         raise TypeError(f"shape: expected a MoEShape or a preset name, got {type(shape).__name__}")
     if not isinstance(lora, LoRAShape):
         raise TypeError(f"lora: expected a LoRAShape(num_loras, rank), got {type(lora).__name__}")
-    check_int("num_tokens", num_tokens, low=1)
     if dtype not in FLOAT_DTYPES:
         raise TypeError(f"dtype: {dtype} is not supported; use torch.float32, torch.float16 or torch.bfloat16")
     L, r, E, H, I = lora.num_loras, lora.rank, shape.num_experts, shape.hidden, shape.intermediate

@@ -90,7 +90,8 @@ def check_routing(topk_ids, token_lora, num_experts: int, num_loras: int, topk_w
 def _group_pairs(topk_ids, token_lora, num_experts: int, num_loras: int, block_size: int):
     """Validate, then sort pairs by group g = l*E + e (g = L*E: no adapter), keeping pair order.
 
-    Returns (order [n], sorted key [n], counts [L*E], first sorted index of each group [L*E]).
+    Returns (order [n]: pair ids in sorted order; group [n]: their group, 0 where ``valid`` is
+    False; valid [n]: the pair has an adapter; rank [n]: position inside its group; counts [L*E]).
     """
     check_int("num_experts", num_experts, low=1)
     check_int("num_loras", num_loras, low=1)
@@ -103,13 +104,17 @@ def _group_pairs(topk_ids, token_lora, num_experts: int, num_loras: int, block_s
     order = torch.sort(key, stable=True).indices
     counts = torch.zeros(L * E + 1, dtype=torch.long, device=key.device).scatter_add_(0, key, torch.ones_like(key))
     counts = counts[: L * E]
-    return order, key[order], counts, counts.cumsum(0) - counts
+    skey = key[order]
+    valid = skey < L * E
+    group = torch.where(valid, skey, torch.zeros_like(skey))
+    rank = torch.arange(key.numel(), device=key.device) - (counts.cumsum(0) - counts)[group]
+    return order, group, valid, rank, counts
 
 
 def align_block_size(topk_ids: torch.Tensor, token_lora: torch.Tensor, num_experts: int, num_loras: int,
                      block_size: int) -> Alignment:
     """Group each adapter's pairs by expert and pad every expert segment to ``block_size``."""
-    order, skey, counts, key_start = _group_pairs(topk_ids, token_lora, num_experts, num_loras, block_size)
+    order, group, valid, rank, counts = _group_pairs(topk_ids, token_lora, num_experts, num_loras, block_size)
     M, k = topk_ids.shape
     E, L, bs, dev = num_experts, num_loras, block_size, topk_ids.device
     num_pairs = M * k
@@ -119,11 +124,8 @@ def align_block_size(topk_ids: torch.Tensor, token_lora: torch.Tensor, num_exper
     seg_end = padded.cumsum(dim=1)                                          # [L, E] end of each segment
     seg_start = seg_end - padded
 
-    valid = skey < L * E
-    skey_v = torch.where(valid, skey, torch.zeros_like(skey))
-    rank_in_seg = torch.arange(num_pairs, device=dev) - key_start[skey_v]
-    pos = seg_start.view(-1)[skey_v] + rank_in_seg                          # slot inside the adapter row
-    flat = torch.where(valid, (skey_v // E) * P + pos, torch.full_like(pos, L * P))
+    pos = seg_start.view(-1)[group] + rank                                  # slot inside the adapter row
+    flat = torch.where(valid, (group // E) * P + pos, torch.full_like(pos, L * P))
     sorted_ids = torch.full((L * P + 1,), num_pairs, dtype=torch.int32, device=dev)
     sorted_ids.scatter_(0, flat, order.to(torch.int32))
     sorted_ids = sorted_ids[: L * P].view(L, P)
@@ -192,7 +194,7 @@ def max_blocks(num_pairs: int, num_experts: int, num_loras: int, block_size: int
 def block_list(topk_ids: torch.Tensor, token_lora: torch.Tensor, num_experts: int, num_loras: int,
                block_size: int) -> BlockList:
     """Group pairs by (adapter, expert), pad each group to ``block_size`` and list the blocks."""
-    order, skey, counts, key_start = _group_pairs(topk_ids, token_lora, num_experts, num_loras, block_size)
+    order, group, valid, rank, counts = _group_pairs(topk_ids, token_lora, num_experts, num_loras, block_size)
     M, k = topk_ids.shape
     E, L, bs, dev = num_experts, num_loras, block_size, topk_ids.device
     n = M * k
@@ -200,17 +202,15 @@ def block_list(topk_ids: torch.Tensor, token_lora: torch.Tensor, num_experts: in
     blocks = (counts + bs - 1) // bs                                        # blocks per group
     block_end = blocks.cumsum(0)                                            # [L*E]
 
-    valid = skey < L * E
-    skey_v = torch.where(valid, skey, torch.zeros_like(skey))
-    pos = (block_end - blocks)[skey_v] * bs + torch.arange(n, device=dev) - key_start[skey_v]
+    pos = (block_end - blocks)[group] * bs + rank
     pos = torch.where(valid, pos, torch.full_like(pos, B * bs))
     pairs = torch.full((B * bs + 1,), n, dtype=torch.int32, device=dev)
     pairs.scatter_(0, pos, order.to(torch.int32))
 
     b = torch.arange(B, device=dev)
-    group = torch.searchsorted(block_end, b, right=True)                    # [B] virtual expert of block
-    used = group < L * E
-    group = torch.where(used, group, torch.zeros_like(group))
-    none = torch.full_like(group, -1)
-    return BlockList(pairs[: B * bs], torch.where(used, group // E, none).to(torch.int32),
-                     torch.where(used, group % E, none).to(torch.int32))
+    owner = torch.searchsorted(block_end, b, right=True)                    # [B] virtual expert of block
+    used = owner < L * E
+    owner = torch.where(used, owner, torch.zeros_like(owner))
+    none = torch.full_like(owner, -1)
+    return BlockList(pairs[: B * bs], torch.where(used, owner // E, none).to(torch.int32),
+                     torch.where(used, owner % E, none).to(torch.int32))

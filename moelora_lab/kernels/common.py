@@ -38,3 +38,12 @@ def slot_rank(lora_ranks_ptr, lora, R, HAS_RANKS: tl.constexpr):
     if HAS_RANKS:
         r_lim = tl.minimum(tl.load(lora_ranks_ptr + lora), R)
     return r_lim
+
+
+@triton.jit
+def rank_tile(r0, r_lim, BLOCK_R: tl.constexpr):
+    """Rank offsets r0 .. r0+BLOCK_R and their mask (< r_lim); masked lanes point at row 0, so a
+    padded tile never addresses past the weights."""
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    r_ok = offs_r < r_lim
+    return tl.where(r_ok, offs_r, 0), r_ok

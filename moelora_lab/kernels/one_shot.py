@@ -13,7 +13,7 @@ the fusion is kept (the output rows are re-read once per extra rank tile, never 
 import triton
 import triton.language as tl
 
-from .common import block_rows, slice_pointers, slot_rank
+from .common import block_rows, rank_tile, slice_pointers, slot_rank
 
 
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
@@ -70,9 +70,7 @@ def one_shot_kernel(
         if HAS_RANKS:                                # tile 0 always runs, so owned rows get written
             run = (rt == 0) | (rt * BLOCK_R < r_lim)
         if run:
-            offs_r = rt * BLOCK_R + tl.arange(0, BLOCK_R)
-            r_ok = offs_r < r_lim
-            offs_r = tl.where(r_ok, offs_r, 0)               # masked lanes point at row 0, never past A
+            offs_r, r_ok = rank_tile(rt * BLOCK_R, r_lim, BLOCK_R)
             # ---- shrink: t[BM, BLOCK_R] = X[rows, :] @ A[lora, expert, r-tile, :]^T, fp32 in registers
             t = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):

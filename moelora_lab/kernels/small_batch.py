@@ -12,7 +12,7 @@ as in the one-shot kernel.
 import triton
 import triton.language as tl
 
-from .common import slice_pointers, slot_rank
+from .common import rank_tile, slice_pointers, slot_rank
 
 
 @triton.jit
@@ -61,9 +61,7 @@ def small_batch_kernel(
                 if HAS_RANKS:                                # tile 0 always runs, so owned rows get written
                     run = (rt == 0) | (rt * BLOCK_R < r_lim)
                 if run:
-                    offs_r = rt * BLOCK_R + tl.arange(0, BLOCK_R)
-                    r_ok = offs_r < r_lim
-                    offs_r = tl.where(r_ok, offs_r, 0)
+                    offs_r, r_ok = rank_tile(rt * BLOCK_R, r_lim, BLOCK_R)
                     part = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
                     for k0 in range(0, K, BLOCK_K):
                         ks = k0 + offs_k

@@ -12,7 +12,7 @@ the extra launches, not sloppiness.
 import triton
 import triton.language as tl
 
-from .common import block_rows, slice_pointers, slot_rank
+from .common import block_rows, rank_tile, slice_pointers, slot_rank
 
 
 @triton.jit
@@ -43,9 +43,7 @@ def shrink_kernel(
     a_ptr += lora.to(tl.int64) * stride_al + expert.to(tl.int64) * stride_ae
     pairs, valid, x_rows = block_rows(sorted_pairs_ptr, block, num_pairs, top_k, BLOCK_M, TOKEN_ROWS)
 
-    offs_r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
-    r_ok = offs_r < r_lim
-    offs_r = tl.where(r_ok, offs_r, 0)
+    offs_r, r_ok = rank_tile(tl.program_id(2) * BLOCK_R, r_lim, BLOCK_R)
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
