@@ -241,6 +241,8 @@ def parse_args(argv):
     a.add_argument("--seed", type=int, default=0)
     a.add_argument("--out", type=Path, default=DEFAULT_OUT)
     a.add_argument("--name", default="align")
+    from .bench_gemm import add_parser
+    add_parser(sub, DEFAULT_OUT)
     args = p.parse_args(argv)
     if args.what == "layer":
         from .bench_layer import VARIANTS
@@ -265,6 +267,9 @@ def main(argv=None) -> int:
             save_traces(traces, args.out / f"{args.name}_traces.json")
     elif args.what == "align":
         rows = run_align(args)
+    elif args.what == "gemm":
+        from .bench_gemm import run_gemm
+        rows = run_gemm(args)
     else:
         rows = run_kernels(args) if args.what == "kernels" else run_registers(args)
     csv_path = args.out / f"{args.name}.csv"
@@ -275,7 +280,7 @@ def main(argv=None) -> int:
         for png in save_layer_plots(rows, args.out, args.name):
             print(f"wrote {png}", file=sys.stderr)
         return 0
-    if args.what != "kernels" or args.tune:
+    if args.what != "kernels" or args.tune:   # gemm, align, registers: CSV only
         return 0
     try:
         from .plots.bench import save_kernel_plots

@@ -3,11 +3,15 @@
 Variants per (preset, M, rank), each timed as a CUDA-graph replay with L2 flushed (median, p20, p80):
   no_lora                 the base layer alone (grouped GEMMs, activation, top-k sum)
   sequential / dual_stream                 LoRA with our folded join, one stream or two
+  fused                   LoRA computed inside the base grouped GEMMs (when L*r fits)
+  auto                    what ``moe_lora_layer`` picks by default (its plan built the same way)
   sequential_vllm_join / dual_stream_vllm_join   LoRA with vLLM's join (zero-fill + add passes)
   base_gemms              our two grouped GEMMs alone, next to
   grouped_mm              torch._grouped_mm on rows already grouped by expert (a strong reference)
 Routing metadata is built once per case outside the timed region (``plan_layer``) and timed apart
-as ``plan``. Timelines of the sequential and dual-stream layer are captured for ``--trace-tokens``
+as ``plan``. Next to the byte floor, ``roofline_us`` is max(byte floor, FLOPs / the bf16 matmul rate
+measured in the same run): past the ridge the layer is compute-bound and the byte floor alone is
+out of reach. Timelines of the sequential and dual-stream layer are captured for ``--trace-tokens``
 x ``--trace-ranks`` and saved to one JSON file.
 
 Shape legend: M tokens, E experts, k top-k, L adapters, r rank, H hidden, I expert intermediate.
@@ -22,8 +26,8 @@ import torch
 
 from .bench import device
 
-VARIANTS = ("no_lora", "sequential", "dual_stream", "sequential_vllm_join", "dual_stream_vllm_join",
-            "base_gemms", "grouped_mm", "plan")
+VARIANTS = ("no_lora", "sequential", "dual_stream", "fused", "auto", "sequential_vllm_join",
+            "dual_stream_vllm_join", "base_gemms", "grouped_mm", "plan")
 
 
 def _weights(shape, L, rank, gen, dtype):
@@ -43,22 +47,27 @@ def _grouped_mm_fn(x, h, topk_ids, w13, w2):
     xs, hs = x[order // k].contiguous(), h[order].contiguous()
     offs = torch.cumsum(torch.bincount(experts, minlength=w13.shape[0]), 0).to(torch.int32)
     b13, b2 = w13.transpose(1, 2), w2.transpose(1, 2)
-    return lambda: (torch._grouped_mm(xs, b13, offs=offs), torch._grouped_mm(hs, b2, offs=offs))
+    parts = (lambda: torch._grouped_mm(xs, b13, offs=offs), lambda: torch._grouped_mm(hs, b2, offs=offs))
+
+    def both():
+        return parts[0](), parts[1]()
+    both.parts = parts
+    return both
 
 
 def run_layer(args) -> tuple[list[dict], dict]:
     from tqdm.auto import tqdm
 
     from .config import MoEShape, make_routing
-    from .layer import moe_lora_layer, plan_layer
+    from .layer import fused_fits, moe_lora_layer, plan_layer
     from .moe import gemm_tiles, moe_gemm
     from .profile.timeline import capture_timeline, overlap_metrics
-    from .profile.timing import copy_bandwidth, provenance, time_cuda
+    from .profile.timing import copy_bandwidth, matmul_rate, provenance, time_cuda
     from .profile.traffic import count_workload, layer_traffic
 
     dtype = getattr(torch, args.dtype)
     prov = provenance("python -m moelora_lab.bench " + " ".join(shlex.quote(a) for a in args.argv))
-    copy_bps = copy_bandwidth()
+    copy_bps, flops_per_s = copy_bandwidth(), matmul_rate(dtype)
     gen = torch.Generator(device=device()).manual_seed(args.seed)
     rows, traces = [], {}
     cases = [(p, r, m) for p in args.presets for r in args.ranks for m in args.tokens]
@@ -76,7 +85,9 @@ def run_layer(args) -> tuple[list[dict], dict]:
         rt = make_routing(shape, L, M, seed=args.seed + M, num_sequences=min(M, 8))
         ids, tw, tl = (rt[n].to(device()) for n in ("topk_ids", "topk_weights", "token_lora"))
         x = torch.randn(M, H, device=device(), generator=gen, dtype=dtype)
-        plan_l = plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I)
+        plan_l = plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I, schedule="sequential")
+        plan_f = plan_layer(ids, tl, E, L, rank, schedule="fused") if fused_fits(L, rank) else None
+        plan_a = plan_layer(ids, tl, E, L, rank)
         plan_b = plan_layer(ids, tl, E, None, None)
         base = (x, ids, tw, tl, w13, w2)
         h = torch.randn(M * k, I, device=device(), generator=gen, dtype=dtype)
@@ -87,6 +98,8 @@ def run_layer(args) -> tuple[list[dict], dict]:
             "no_lora": lambda: moe_lora_layer(*base, plan=plan_b),
             "sequential": lambda: moe_lora_layer(*base, **lora, schedule="sequential", plan=plan_l),
             "dual_stream": lambda: moe_lora_layer(*base, **lora, schedule="dual_stream", plan=plan_l),
+            "fused": lambda: moe_lora_layer(*base, **lora, schedule="fused", plan=plan_f),
+            "auto": lambda: moe_lora_layer(*base, **lora, plan=plan_a),
             "sequential_vllm_join": lambda: moe_lora_layer(*base, **lora, schedule="sequential", join="vllm",
                                                            plan=plan_l),
             "dual_stream_vllm_join": lambda: moe_lora_layer(*base, **lora, schedule="dual_stream", join="vllm",
@@ -95,13 +108,16 @@ def run_layer(args) -> tuple[list[dict], dict]:
                                    moe_gemm(h, w2, plan_b.base_blocks, c3, top_k=k, topk_weights=wflat,
                                             tiles=tiles)),
             "grouped_mm": _grouped_mm_fn(x, h, ids, w13, w2),
-            "plan": lambda: plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I),
+            "plan": lambda: plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I, schedule="sequential",
+                                       validate=False),
         }
         work = count_workload(ids, tl, E, L)
         floors = {True: layer_traffic(shape, rank, work, lora_path=plan_l.lora_path)["floor"],
                   False: layer_traffic(shape, rank, work, with_lora=False)["floor"]}
         for name in args.variants:
             error = ""
+            if name == "fused" and plan_f is None:
+                continue                       # L*r too wide for the in-GEMM LoRA: not a schedule here
             try:
                 t = time_cuda(fns[name])
                 med, p20, p80 = round(t.median_us, 2), round(t.p20_us, 2), round(t.p80_us, 2)
@@ -109,19 +125,23 @@ def run_layer(args) -> tuple[list[dict], dict]:
                 med = p20 = p80 = ""
                 error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
             floor = floors[name not in ("no_lora", "base_gemms", "grouped_mm", "plan")]
-            rows.append(dict(preset=preset, M=M, rank=rank, loras=L, variant=name, lora_path=plan_l.lora_path,
+            path = {"fused": "in_gemm", "auto": plan_a.lora_path}.get(name, plan_l.lora_path)
+            rows.append(dict(preset=preset, M=M, rank=rank, loras=L, variant=name, lora_path=path,
                              us_median=med, us_p20=p20, us_p80=p80, floor_bytes=floor.bytes,
-                             floor_us=round(floor.floor_us(copy_bps), 2), copy_tbps=round(copy_bps / 1e12, 4),
+                             floor_us=round(floor.floor_us(copy_bps), 2),
+                             roofline_us=round(max(floor.floor_us(copy_bps), floor.flops / flops_per_s * 1e6), 2),
+                             copy_tbps=round(copy_bps / 1e12, 4), matmul_tflops=round(flops_per_s / 1e12, 1),
                              error=error, **prov))
         if M in args.trace_tokens and rank in args.trace_ranks:
-            for sched in ("sequential", "dual_stream"):
-                run = (lambda tr, s=sched: moe_lora_layer(*base, **lora, schedule=s, plan=plan_l, tracer=tr))
+            for sched in ("sequential", "dual_stream") + (("fused",) if plan_f is not None else ()):
+                pl = plan_f if sched == "fused" else plan_l
+                run = (lambda tr, s=sched, pl=pl: moe_lora_layer(*base, **lora, schedule=s, plan=pl, tracer=tr))
                 try:
                     recs = capture_timeline(run)
                 except Exception as exc:  # keep the timings even if a trace fails
                     print(f"trace {preset} M={M} r={rank} {sched} failed: {exc}", file=sys.stderr)
                     continue
-                meta = dict(preset=preset, M=M, rank=rank, loras=L, schedule=sched, lora_path=plan_l.lora_path,
+                meta = dict(preset=preset, M=M, rank=rank, loras=L, schedule=sched, lora_path=pl.lora_path,
                             floor_us=round(floors[True].floor_us(copy_bps), 2), **prov)
                 traces[f"{preset}_M{M}_r{rank}_{sched}"] = dict(meta=meta, records=recs,
                                                                 metrics=overlap_metrics(recs))

@@ -10,8 +10,13 @@ P = M*k pairs.
 
 Schedules: ``sequential`` runs everything on the current stream; ``dual_stream`` runs the LoRA ops
 on one process-wide side stream, forked and joined with CUDA events, so they can overlap the base
-GEMMs; ``auto`` is dual-stream on a GPU and sequential elsewhere. Both schedules launch the same
-kernels on the same buffers, so their results are bitwise equal.
+GEMMs (both launch the same kernels on the same buffers, so their results are bitwise equal);
+``fused`` computes the LoRA inside the base grouped GEMMs (``kernels/base_moe``: no LoRA launch, no
+delta buffer, no join; for L*r <= ``moe.MAX_FUSED_COLUMNS``); ``auto`` is dual-stream on a GPU
+while there are fewer pairs than experts (the LoRA kernels are short and latency-bound, the base
+GEMMs leave SMs idle) or the rank is at least 64 (enough LoRA work to hide), and sequential
+otherwise: with rank 16 and the tuned base GEMMs streaming weights near the copy rate, a second
+memory-bound kernel next to them mostly takes bandwidth away (H200 data in ``data/h200/layer.csv``).
 
 Joins: ``fold`` (ours) lets the LoRA kernels write their deltas only for pairs with an adapter
 into uninitialised buffers, and the activation and the top-k sum read the delta where the token has
@@ -36,13 +41,19 @@ import torch
 from ._backend import INTERPRET
 from ._checks import INDEX_DTYPES, check_choice, check_range, check_tensor
 from .dispatch import choose_config, choose_path
-from .moe import gemm_tiles, moe_gemm, silu_and_mul, topk_sum
+from .moe import (MAX_FUSED_COLUMNS, GemmLoRA, fused_columns, gemm_tiles, moe_gemm, silu_and_mul,
+                  topk_sum)
 from .ops import run_lora
 from .reference import _check_layer, check_lora_weights
 from .align import make_blocks
 from .routing import BlockList, check_routing
 
-SCHEDULES = ("sequential", "dual_stream", "auto")
+SCHEDULES = ("sequential", "dual_stream", "fused", "auto")
+# ``auto`` overlaps the LoRA stream while there are fewer pairs than this many per expert, or from
+# this rank up (H200, qwen3-30b-a3b: dual vs sequential -22% at M = 1, r 16; +1..+5% at M = 16..512,
+# r 16; -2..-5% at M = 16..2048, r 64)
+DUAL_STREAM_MAX_PAIRS_PER_EXPERT = 1
+DUAL_STREAM_MIN_RANK = 64
 JOINS = ("fold", "vllm")
 _AUX_STREAMS: dict = {}
 
@@ -55,11 +66,29 @@ def aux_stream(device: torch.device) -> "torch.cuda.Stream":
     return _AUX_STREAMS[key]
 
 
-def resolve_schedule(schedule: str, device: torch.device) -> str:
+def fused_fits(num_loras: int, rank: int) -> bool:
+    """Whether the in-GEMM LoRA can run: the stacked shrink of all adapters fits in registers."""
+    return fused_columns(num_loras, rank) <= MAX_FUSED_COLUMNS
+
+
+def _fused(schedule: str, fits: bool) -> bool:
+    if schedule == "fused" and not fits:
+        raise ValueError(f"schedule='fused': the in-GEMM LoRA needs L*r <= {MAX_FUSED_COLUMNS} (padded to a power "
+                         "of two, at least 16); use schedule='dual_stream' or 'sequential' for more or "
+                         "wider adapters")
+    return schedule == "fused"
+
+
+def resolve_schedule(schedule: str, device: torch.device, *, num_pairs: int = 0, num_experts: int = 1,
+                     rank: int = 0, fits: bool = False) -> str:
+    """The schedule a call really runs (``fits``: :func:`fused_fits` for the layer's LoRA)."""
     check_choice("schedule", schedule, SCHEDULES)
+    if _fused(schedule, fits):
+        return "fused"
     gpu = device.type == "cuda" and not INTERPRET
     if schedule == "auto":
-        return "dual_stream" if gpu else "sequential"
+        few = num_pairs < DUAL_STREAM_MAX_PAIRS_PER_EXPERT * num_experts
+        return "dual_stream" if gpu and (few or rank >= DUAL_STREAM_MIN_RANK) else "sequential"
     if schedule == "dual_stream" and not gpu:
         warnings.warn("schedule='dual_stream' needs CUDA streams; on the CPU the layer runs sequentially "
                       "(same kernels, same results)", RuntimeWarning, stacklevel=3)
@@ -110,17 +139,18 @@ class LayerPlan:
 
     base_blocks: BlockList           # pairs grouped by expert, for the base GEMMs
     lora_blocks: BlockList | None    # pairs grouped by (adapter, expert), for the LoRA ops
-    lora_path: str | None            # 'one_shot', 'two_kernel' or 'small_batch'
+    lora_path: str | None            # 'one_shot', 'two_kernel', 'small_batch' or 'in_gemm' (fused)
 
 
 def plan_layer(topk_ids, token_lora, num_experts: int, num_loras: int | None, rank: int | None, *,
                hidden: int | None = None, intermediate: int | None = None, lora_path: str = "auto",
-               validate: bool = True) -> LayerPlan:
+               schedule: str = "auto", validate: bool = True) -> LayerPlan:
     """Build the routing metadata (and pick the LoRA path) for :func:`moe_lora_layer`.
 
     ``num_loras=None`` plans a layer without LoRA. Reuse a plan across calls with the same routing
     (benchmarks, CUDA graphs that capture only the layer's kernels). ``validate=False`` skips the
-    id-range checks (they synchronise with the GPU) for routing that was already checked.
+    id-range checks (they synchronise with the GPU) for routing that was already checked. A plan for
+    ``schedule="fused"`` has no LoRA blocks: the base GEMMs carry the LoRA.
     """
     if validate:
         check_routing(topk_ids, token_lora, num_experts, num_loras or 2**31 - 1)
@@ -130,6 +160,10 @@ def plan_layer(topk_ids, token_lora, num_experts: int, num_loras: int | None, ra
     base = make_blocks(topk_ids, torch.zeros_like(token_lora), num_experts, 1, tiles["BLOCK_M"])
     if num_loras is None:
         return LayerPlan(base, None, None)
+    check_choice("schedule", schedule, SCHEDULES)
+    fits = fused_fits(num_loras, rank)
+    if _fused(schedule, fits):
+        return LayerPlan(base, None, "in_gemm")
     path = choose_path(P, num_experts, num_loras, rank) if lora_path == "auto" else lora_path
     cfg = choose_config(path, P, min(P, num_loras * num_experts), intermediate or 1, 2,
                         topk_ids.device)
@@ -173,21 +207,32 @@ def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=No
             lora_ranks = lora_ranks.to(device=x.device, dtype=torch.int32).contiguous()
     if plan is None:
         check_routing(topk_ids, token_lora, E, L, topk_weights)
-    elif not isinstance(plan, LayerPlan) or (with_lora and plan.lora_blocks is None):
+    elif not isinstance(plan, LayerPlan):
         raise TypeError("plan: expected a LayerPlan from plan_layer(...) made with the layer's num_loras and rank")
     if x.device.type != "cuda" and not INTERPRET:
         raise ValueError(f"x: the layer's Triton kernels need CUDA tensors (got {x.device}); set "
                          "MOELORA_INTERPRET=1 before importing moelora_lab to run them on the CPU")
-    dual = resolve_schedule(schedule, x.device) == "dual_stream" and with_lora
+    M, k = topk_ids.shape
+    P = M * k
+    fits = with_lora and fused_fits(L, r)
+    run = (resolve_schedule(schedule, x.device, num_pairs=P, num_experts=E, rank=r, fits=fits) if with_lora
+           else "sequential")
+    if plan is not None and with_lora and (plan.lora_blocks is None) != (run == "fused"):
+        raise TypeError(f"plan: made for another schedule than this call's ({run!r}); pass plan_layer(..., "
+                        f"schedule={schedule!r}) with the layer's num_loras, rank, hidden and intermediate")
+    dual = run == "dual_stream"
     if INTERPRET and x.dtype == torch.bfloat16:
         raise TypeError("x: bfloat16 is mis-computed by the Triton interpreter; use float32 or float16 on the CPU")
 
-    M, k = topk_ids.shape
-    P = M * k
     weights = topk_weights.reshape(-1).float().contiguous()
     if plan is None:
         plan = plan_layer(topk_ids, token_lora, E, L if with_lora else None, r if with_lora else None,
-                          hidden=H, intermediate=I, lora_path=lora_path, validate=False)
+                          hidden=H, intermediate=I, lora_path=lora_path, schedule=run, validate=False)
+    if run == "fused":
+        token_lora = token_lora.to(torch.int32).contiguous()
+        return _fused_layer(x, topk_ids, weights, token_lora, w13, w2, plan.base_blocks, tiles=gemm_tiles(P, E, lora=True),
+                            lora13=GemmLoRA(token_lora, w13_lora_a, w13_lora_b, lora_ranks),
+                            lora2=GemmLoRA(token_lora, w2_lora_a, w2_lora_b, lora_ranks), tracer=tracer)
     tiles = gemm_tiles(P, E)
     base_blocks, lora_blocks, path = plan.base_blocks, plan.lora_blocks, plan.lora_path
     streams = _Streams(dual, x.device, tracer)
@@ -229,4 +274,24 @@ def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=No
             c3.add_(delta2)
             delta2 = None
         topk_sum(c3, y, top_k=k, delta=delta2, token_lora=token_lora)
+    return y
+
+
+def _fused_layer(x, topk_ids, weights, token_lora, w13, w2, blocks, *, tiles, lora13, lora2, tracer):
+    """The ``fused`` schedule: four launches, the LoRA computed inside the two grouped GEMMs."""
+    M, k = topk_ids.shape
+    P, I, H = M * k, w2.shape[2], w2.shape[1]
+    streams = _Streams(False, x.device, tracer)
+    c1 = torch.empty(P, 2 * I, dtype=x.dtype, device=x.device)
+    h = torch.empty(P, I, dtype=x.dtype, device=x.device)
+    c3 = torch.empty(P, H, dtype=x.dtype, device=x.device)
+    y = torch.empty(M, H, dtype=x.dtype, device=x.device)
+    with streams.stage("w13+lora", "main"):
+        moe_gemm(x, w13, blocks, c1, top_k=k, tiles=tiles, lora=lora13)
+    with streams.stage("act", "main"):
+        silu_and_mul(c1, h, top_k=k)
+    with streams.stage("w2+lora", "main"):
+        moe_gemm(h, w2, blocks, c3, top_k=k, topk_weights=weights, tiles=tiles, lora=lora2)
+    with streams.stage("sum", "main"):
+        topk_sum(c3, y, top_k=k)
     return y

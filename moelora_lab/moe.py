@@ -4,6 +4,8 @@ Shape legend: M tokens, k top-k, E experts, K in, N out, H hidden, I expert inte
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 
@@ -12,18 +14,55 @@ from .kernels.base_moe import moe_gemm_kernel, silu_and_mul_kernel, topk_sum_ker
 from .routing import BlockList
 
 
-def gemm_tiles(num_pairs: int, num_experts: int) -> dict:
+# Widest stacked shrink (L*r columns, padded to a power of two) the in-GEMM LoRA keeps in registers
+# next to the GEMM accumulator; wider adapter sets run the LoRA as separate kernels instead.
+MAX_FUSED_COLUMNS = 128
+
+
+class GemmLoRA(NamedTuple):
+    """The LoRA to compute inside a grouped GEMM (see ``kernels/base_moe``): per-token adapter ids
+    [M] int32 (-1 = none), A [L, E, r, K] and B [L, E, N/S, r] per slice, optional ranks [L] int32."""
+
+    token_lora: torch.Tensor
+    lora_a: list
+    lora_b: list
+    lora_ranks: torch.Tensor | None = None
+
+
+# From one H200 sweep (bf16, qwen3-30b-a3b, w13 and w2, M = 1 .. 8192; data/h200/gemm_tune.csv):
+# with <= 16 pairs per expert, 128 x 128 (N x K) tiles come within 6% of the best of the grid for
+# both GEMMs (the earlier 128 x 64 lost up to 28% at M = 1); from 64 pairs per expert 256-wide N
+# tiles with 4 stages and GROUP_M 8 win by 3-10% (M = 2048, 8192). The in-GEMM LoRA keeps
+# BLOCK_K = 128 while blocks hold one or two pairs and drops to 64 once they mix adapters (within 7%).
+def gemm_tiles(num_pairs: int, num_experts: int, *, lora: bool = False) -> dict:
     """Tiles of the grouped GEMM: BLOCK_M from the pairs each expert gets on average."""
     if INTERPRET:
-        return dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, num_warps=1, num_stages=1)
-    per_expert = num_pairs / num_experts
-    block_m = 16 if per_expert <= 16 else (32 if per_expert <= 32 else (64 if per_expert <= 96 else 128))
-    return dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=64, num_warps=4 if block_m <= 64 else 8, num_stages=3)
+        return dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=1, num_stages=1)
+    return gpu_gemm_tiles(num_pairs / num_experts, lora=lora)
+
+
+def gpu_gemm_tiles(per_expert: float, *, lora: bool = False) -> dict:
+    """The GPU tile rule above, by pairs per expert (also usable on the CPU, to read the data)."""
+    if per_expert <= 16:
+        block_k = 64 if lora and per_expert > 2 else 128
+        return dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=block_k, GROUP_M=1, num_warps=4, num_stages=3)
+    if per_expert <= 32:
+        return dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=64 if per_expert <= 96 else 128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8,
+                num_stages=4)
+
+
+def fused_columns(num_loras: int, rank: int) -> int:
+    """BLOCK_LR of the in-GEMM LoRA: the L*r stacked shrink columns, a power of two >= 16."""
+    return max(16, triton.next_power_of_2(num_loras * rank))
 
 
 def moe_gemm(x: torch.Tensor, w: torch.Tensor, blocks: BlockList, out: torch.Tensor, *, top_k: int,
-             topk_weights: torch.Tensor | None = None, tiles: dict | None = None) -> torch.Tensor:
-    """out[p] = (w_p *) W[e_p] @ x_row(p) for every pair, over expert-sorted ``blocks``.
+             topk_weights: torch.Tensor | None = None, tiles: dict | None = None,
+             lora: GemmLoRA | None = None) -> torch.Tensor:
+    """out[p] = (w_p *) (W[e_p] @ x_row(p) + B[l, e_p] @ A[l, e_p] @ x_row(p)) for every pair, over
+    expert-sorted ``blocks``; the LoRA term only with ``lora`` and only for pairs whose token has an
+    adapter l. Inputs are trusted (the layer validates them).
 
     x: [M, K] token rows or [P, K] pair rows; w: [E, N, K]; out: [P, N]; topk_weights: [P] fp32 or None.
     """
@@ -34,12 +73,28 @@ def moe_gemm(x: torch.Tensor, w: torch.Tensor, blocks: BlockList, out: torch.Ten
         raise ValueError(f"blocks: block size {blocks.block_size} != BLOCK_M {tiles['BLOCK_M']}; build them with "
                          "block_list(..., block_size=gemm_tiles(...)['BLOCK_M'])")
     warps, stages = tiles.pop("num_warps"), tiles.pop("num_stages")
-    grid = (blocks.num_blocks, triton.cdiv(N, tiles["BLOCK_N"]))
+    tiles.setdefault("GROUP_M", 1)
     mul = topk_weights is not None
+    if lora is None:
+        a = b = (w, w)                                  # never read
+        L = R = 1
+        n_slice, block_lr, a_strides, b_strides = N, 16, (0,) * 4, (0,) * 4
+    else:
+        L, _, R, _ = lora.lora_a[0].shape
+        n_slice = lora.lora_b[0].shape[2]
+        block_lr = fused_columns(L, R)
+        a, b = (lora.lora_a[0], lora.lora_a[-1]), (lora.lora_b[0], lora.lora_b[-1])
+        a_strides, b_strides = a[0].stride(), b[0].stride()
+    grid = (blocks.num_blocks * (N // n_slice) * triton.cdiv(n_slice, tiles["BLOCK_N"]),)
+    has_ranks = lora is not None and lora.lora_ranks is not None
     moe_gemm_kernel[grid](
         x, w, out, topk_weights if mul else out, blocks.sorted_pairs, blocks.block_expert,
-        P, top_k, K, N, x.stride(0), x.stride(1), *w.stride(), out.stride(0), out.stride(1),
-        TOKEN_ROWS=x.shape[0] != P or top_k == 1, MUL_ROUTED_WEIGHT=mul,
+        lora.token_lora if lora is not None else blocks.block_expert, *a, *b,
+        lora.lora_ranks if has_ranks else blocks.block_expert,
+        P, top_k, K, N, blocks.num_blocks, L, R, n_slice,
+        x.stride(0), x.stride(1), *w.stride(), out.stride(0), out.stride(1), *a_strides, *b_strides,
+        BLOCK_LR=block_lr, TOKEN_ROWS=x.shape[0] != P or top_k == 1, MUL_ROUTED_WEIGHT=mul,
+        HAS_LORA=lora is not None, HAS_RANKS=has_ranks,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages, **tiles)
     return out
 

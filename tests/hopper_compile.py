@@ -62,6 +62,8 @@ def main():
                 topk_weights_ptr="*fp32", sorted_pairs_ptr=i32, block_lora_ptr=i32, block_expert_ptr=i32,
                 lora_ranks_ptr=i32, topk_ids_ptr=i32, token_lora_ptr=i32)
     common = dict(TOKEN_ROWS=True, MUL_ROUTED_WEIGHT=True, ADD_INPUTS=False, DOT_PRECISION="tf32")
+    gemm = dict(lora, **ptrs("w_ptr"))
+    gemm_c = dict(BLOCK_N=128, BLOCK_K=64, TOKEN_ROWS=True, MUL_ROUTED_WEIGHT=True, EVEN_K=True, DOT_PRECISION="tf32")
     cases = []
     for tiles, ranks in ((1, False), (2, True), (4, True)):
         cases.append((f"one_shot rank_tiles={tiles} ranks={ranks}", one_shot.one_shot_kernel, lora,
@@ -75,10 +77,10 @@ def main():
         ("small_batch", small_batch.small_batch_kernel, lora,
          dict(NUM_SLICES=2, N_CHUNKS=4, BLOCK_N=64, BLOCK_K=64, BLOCK_R=128, RANK_TILES=2, TOKEN_ROWS=True,
               MUL_ROUTED_WEIGHT=False, ADD_INPUTS=True, HAS_RANKS=True)),
-        ("moe_gemm", base_moe.moe_gemm_kernel, dict(ptrs("x_ptr", "w_ptr", "out_ptr"), topk_weights_ptr="*fp32",
-                                                    sorted_pairs_ptr=i32, block_expert_ptr=i32),
-         dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, TOKEN_ROWS=True, MUL_ROUTED_WEIGHT=True, EVEN_K=True,
-              DOT_PRECISION="tf32")),
+        ("moe_gemm", base_moe.moe_gemm_kernel, gemm,
+         dict(gemm_c, BLOCK_M=64, GROUP_M=8, BLOCK_LR=16, HAS_LORA=False, HAS_RANKS=False)),
+        ("moe_gemm in-GEMM LoRA", base_moe.moe_gemm_kernel, gemm,
+         dict(gemm_c, BLOCK_M=16, GROUP_M=1, BLOCK_LR=64, HAS_LORA=True, HAS_RANKS=True)),
         ("silu_and_mul", base_moe.silu_and_mul_kernel, dict(ptrs("c1_ptr", "delta_ptr", "h_ptr"), token_lora_ptr=i32),
          dict(BLOCK=1024, HAS_DELTA=True)),
         ("topk_sum", base_moe.topk_sum_kernel, dict(ptrs("c3_ptr", "delta_ptr", "y_ptr"), token_lora_ptr=i32),
@@ -104,6 +106,11 @@ def main():
     whole = resources(build(one_shot.one_shot_kernel, lora, dict(base, BLOCK_R=512, RANK_TILES=1)))
     print(f"one_shot r=512: 4 tiles of 128 -> {tiled}; 1 tile of 512 -> {whole}")
     assert tiled["stack"] == 0 and whole["stack"] > 0, (tiled, whole)
+    # the in-GEMM LoRA at its widest (128 stacked adapter columns, BLOCK_M 16) must not spill either
+    fused = resources(build(base_moe.moe_gemm_kernel, gemm, dict(gemm_c, BLOCK_M=16, GROUP_M=1, BLOCK_LR=128,
+                                                                  HAS_LORA=True, HAS_RANKS=False)))
+    print(f"moe_gemm with 128 LoRA columns -> {fused}")
+    assert fused["stack"] == 0, fused
 
 
 if __name__ == "__main__":

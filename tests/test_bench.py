@@ -24,6 +24,7 @@ def cpu_bench(monkeypatch):
     monkeypatch.setattr(bench, "DEVICE", "cpu")
     monkeypatch.setattr(timing, "time_cuda", fake_time)
     monkeypatch.setattr(timing, "copy_bandwidth", lambda *a, **k: 4.0e12)
+    monkeypatch.setattr(timing, "matmul_rate", lambda *a, **k: 7.0e14)
     return calls
 
 
@@ -45,10 +46,23 @@ def test_layer_pipeline(cpu_bench, tmp_path):
                        "--trace-tokens", "3", "--trace-ranks", "8", "--out", str(tmp_path)]) == 0
     rows = bench.read_csv(tmp_path / "layer.csv")
     timed = {r["variant"] for r in rows if r["us_median"] != ""}
-    assert {"no_lora", "sequential", "dual_stream", "sequential_vllm_join", "dual_stream_vllm_join",
-            "base_gemms", "plan"} <= timed
-    assert all(r["floor_us"] > 0 for r in rows) and (tmp_path / "layer_tiny.png").exists()
+    assert {"no_lora", "sequential", "dual_stream", "fused", "auto", "sequential_vllm_join",
+            "dual_stream_vllm_join", "base_gemms", "plan"} <= timed
+    assert {r["lora_path"] for r in rows if r["variant"] == "fused"} == {"in_gemm"}
+    assert all(r["roofline_us"] >= r["floor_us"] > 0 for r in rows) and (tmp_path / "layer_tiny.png").exists()
     assert not (tmp_path / "layer_traces.json").exists()      # timelines need CUDA events: none on the CPU
+
+
+def test_gemm_tile_grid_pipeline(cpu_bench, tmp_path, monkeypatch):
+    import moelora_lab.bench_gemm as bench_gemm
+    monkeypatch.setattr(bench_gemm, "TILE_GRID", ((64, 128, 2, 4),))
+    assert bench.main(["gemm", "--presets", "tiny", "--tokens", "2", "--dtype", "float32", "--lora-rank", "8",
+                       "--out", str(tmp_path)]) == 0
+    rows = bench.read_csv(tmp_path / "gemm_tune.csv")
+    # w13 and w2, without and with the in-GEMM LoRA, the default tiles and the one grid entry
+    assert len(rows) == 2 * 2 * 2 and all(r["error"] == "" and r["us_median"] == 10.0 for r in rows)
+    assert {(r["op"], r["lora_rank"], r["rule_at_run"]) for r in rows} == {
+        (op, rank, d) for op in ("w13", "w2") for rank in (0, 8) for d in ("True", "False")}
 
 
 def test_registers_on_cpu_records_the_reason(cpu_bench, tmp_path):

@@ -35,6 +35,41 @@ def test_layer_matches_reference(device, join):
         close(y, ref, dtype)
 
 
+@pytest.mark.parametrize("rank, M, kw", [(8, 9, dict(no_adapter_fraction=0.3)), (5, 20, {}), (16, 1, {})])
+def test_fused_layer_matches_reference(device, rank, M, kw):
+    """The LoRA computed inside the grouped GEMMs: no LoRA kernels, no delta buffers, no join."""
+    for dtype in dtypes(device):
+        p = problem(device, dtype, M=M, rank=rank, seed=rank + M, **kw)
+        ref = ml.moe_layer_reference(**p.layer_inputs())
+        close(moe_lora_layer(**p.layer_inputs(), schedule="fused"), ref, dtype)
+
+
+def test_auto_schedule_and_fused_limits(device):
+    from moelora_lab.layer import DUAL_STREAM_MAX_PAIRS_PER_EXPERT, resolve_schedule
+    E = SHAPE.num_experts
+    dev = torch.device(device)
+    few = DUAL_STREAM_MAX_PAIRS_PER_EXPERT * E - 1
+    assert resolve_schedule("auto", dev, num_pairs=few, num_experts=E) == ("dual_stream" if device == "cuda"
+                                                                          else "sequential")
+    assert resolve_schedule("auto", dev, num_pairs=few + 1, num_experts=E, fits=True) == "sequential"
+    assert resolve_schedule("auto", dev, num_pairs=few + 1, num_experts=E, rank=64) == ("dual_stream" if device == "cuda"
+                                                                                    else "sequential")
+    assert resolve_schedule("fused", dev, fits=True) == "fused"
+    p = problem(device, rank=48, seed=11)              # 3 adapters x rank 48: 256 stacked columns
+    with pytest.raises(ValueError, match="schedule='fused': the in-GEMM LoRA needs L\\*r <= 128"):
+        moe_lora_layer(**p.layer_inputs(), schedule="fused")
+    plan = plan_layer(p.topk_ids, p.token_lora, E, 3, 48)
+    assert plan.lora_path != "in_gemm" and plan.lora_blocks is not None
+    close(moe_lora_layer(**p.layer_inputs(), plan=plan), ml.moe_layer_reference(**p.layer_inputs()), torch.float32)
+
+
+def test_fused_layer_with_actual_adapter_ranks(device):
+    p = problem(device, rank=16, seed=12, adapter_ranks=(3, 16, 8))
+    ranks = torch.tensor(p.adapter_ranks, device=device)
+    close(moe_lora_layer(**p.layer_inputs(), lora_ranks=ranks, schedule="fused"),
+          ml.moe_layer_reference(**p.layer_inputs()), torch.float32)
+
+
 def test_layer_without_lora_is_the_base_layer(device):
     p = problem(device, seed=3)
     inputs = p.layer_inputs()
@@ -74,7 +109,15 @@ def test_plan_is_reused_and_validated(device):
     with pytest.raises(ValueError, match="token_lora: value 2 is out of range"):
         plan_layer(p.topk_ids, p.token_lora.clamp(min=0) * 0 + 2, SHAPE.num_experts, 2, 8)
     with pytest.raises(TypeError, match="plan: expected a LayerPlan"):
-        moe_lora_layer(**p.layer_inputs(), plan=base_plan)
+        moe_lora_layer(**p.layer_inputs(), plan="plan")
+    with pytest.raises(TypeError, match="plan: made for another schedule than this call's \\('sequential'\\)"):
+        moe_lora_layer(**p.layer_inputs(), plan=base_plan, schedule="sequential")
+    fused_plan = plan_layer(p.topk_ids, p.token_lora, SHAPE.num_experts, 3, 8, schedule="fused")
+    assert fused_plan.lora_blocks is None and fused_plan.lora_path == "in_gemm"
+    with pytest.raises(TypeError, match="plan: made for another schedule"):
+        moe_lora_layer(**p.layer_inputs(), plan=fused_plan, schedule="sequential")
+    assert torch.equal(moe_lora_layer(**p.layer_inputs(), plan=fused_plan, schedule="fused"),
+                       moe_lora_layer(**p.layer_inputs(), schedule="fused"))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")
@@ -109,9 +152,10 @@ def test_dual_stream_is_race_free_over_repetitions():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("schedule", ["sequential", "dual_stream"])
+@pytest.mark.parametrize("schedule", ["sequential", "dual_stream", "fused"])
 def test_cuda_graph_replay_equals_eager(schedule):
-    p = ml.make_problem("qwen3-30b-a3b", ml.LoRAShape(4, 64), 32, dtype=torch.bfloat16, device="cuda", seed=9)
+    rank = 16 if schedule == "fused" else 64          # 4 x 64 stacked columns would not fit in the GEMM
+    p = ml.make_problem("qwen3-30b-a3b", ml.LoRAShape(4, rank), 32, dtype=torch.bfloat16, device="cuda", seed=9)
     eager = moe_lora_layer(**p.layer_inputs(), schedule=schedule)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

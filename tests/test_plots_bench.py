@@ -146,3 +146,17 @@ def test_committed_h200_sweep_has_provenance_and_every_path():
     assert all(r["bytes"] > 0 and r["flops"] > 0 and 4.0 < r["copy_tbps"] < 4.5 for r in timed)
     assert all(r["ran"] == r["path"] for r in timed if r["path"] != "auto")
     assert {r["ran"] for r in timed if r["path"] == "auto"} == {"one_shot", "two_kernel"}
+
+
+def test_gemm_tile_rule_against_the_committed_sweep():
+    """The tile rule in moe.gemm_tiles was read off gemm_tune.csv: its tiles ran in the sweep, come
+    within 7% of the grid's best for every GEMM, and never lose more than 1% to the rule before."""
+    from moelora_lab.bench import DEFAULT_OUT, read_csv
+    from moelora_lab.plots.bench import gemm_tile_table
+
+    table = gemm_tile_table(read_csv(DEFAULT_OUT / "gemm_tune.csv"))
+    assert {(r["op"], r["lora_rank"] > 0) for r in table} == {(o, lo) for o in ("w13", "w2") for lo in (False, True)}
+    for r in table:
+        assert r["now_us"] is not None, r
+        assert r["best_us"] <= r["now_us"] <= 1.07 * r["best_us"], r
+        assert r["now_us"] <= 1.01 * r["then_us"], r

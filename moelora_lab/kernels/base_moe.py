@@ -1,7 +1,16 @@
 """The base MoE layer's kernels: grouped GEMM over expert-sorted blocks, activation, top-k sum.
 
 Shape legend: M tokens, k top-k, E experts, K in, N out, H hidden, I expert intermediate,
-P = M*k pairs, BM = BLOCK_M pairs per block, B blocks.
+L adapters, r rank, S slices, P = M*k pairs, BM = BLOCK_M pairs per block, B blocks.
+
+With HAS_LORA the grouped GEMM also computes the LoRA of every row in the same pass ("in-GEMM
+LoRA"): the shrink of all the block's adapters rides along the K loop on the x tile already in
+registers (A is stacked as BLOCK_LR = L*r columns, and columns of adapters no row uses are never
+loaded), and the expand is one more dot into the accumulator. No extra launch, no delta buffer, no
+join. The shrink is recomputed by every N tile and covers all adapters present in the block, so it
+pays where the GEMM waits on memory (small M), not where it is compute-bound. (A variant that
+branched at run time to a narrow shrink for blocks with a single adapter measured slower on the
+H200: the three loops cost more than the columns they saved.)
 
 The activation and the top-k sum are where the dual-stream layer joins the LoRA stream: they read
 the LoRA delta only for pairs whose token has an adapter (HAS_DELTA), so the delta buffers need no
@@ -10,7 +19,7 @@ zero-fill and no separate add pass.
 import triton
 import triton.language as tl
 
-from .common import block_rows
+from .common import block_rows, slice_pointers, slot_rank
 
 
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
@@ -22,24 +31,56 @@ def moe_gemm_kernel(
     topk_weights_ptr,  # [P] fp32 (read if MUL_ROUTED_WEIGHT)
     sorted_pairs_ptr,  # [B*BM] int32 pairs grouped by expert, sentinel P
     block_expert_ptr,  # [B] int32 expert of each block, -1 = unused
-    num_pairs, top_k, K, N,
+    token_lora_ptr,    # [M] int32 adapter of each token, -1 = none (read if HAS_LORA)
+    a0_ptr, a1_ptr,    # LoRA A of slices 0 and 1: [L, E, r, K], x's dtype (read if HAS_LORA)
+    b0_ptr, b1_ptr,    # LoRA B of slices 0 and 1: [L, E, N/S, r], x's dtype (read if HAS_LORA)
+    lora_ranks_ptr,    # [L] int32 actual rank of each slot (read if HAS_RANKS)
+    num_pairs, top_k, K, N, num_blocks, num_loras, R,
+    n_slice,           # columns per slice: N (no LoRA, or S = 1) or N / 2 (w13 with LoRA)
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_om, stride_on,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    stride_al, stride_ae, stride_ar, stride_ak, stride_bl, stride_be, stride_bn, stride_br,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_LR: tl.constexpr,           # >= L*r: the stacked (adapter, rank) columns of the LoRA shrink
     TOKEN_ROWS: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    HAS_LORA: tl.constexpr, HAS_RANKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Program (block, N tile): out[rows, n-tile] = (w *) X[rows] @ W[expert, n-tile, :]^T."""
-    block = tl.program_id(0)
+    """Program (block, N tile): out[rows, n-tile] = (w *) (X[rows] @ W[e, n-tile]^T + LoRA of each row).
+
+    Programs are numbered GROUP_M blocks at a time, N tiles inside a group, so neighbours in time
+    share x rows (and, with HAS_LORA, the block's A rows) through L2.
+    """
+    pid = tl.program_id(0)
+    slice_tiles = tl.cdiv(n_slice, BLOCK_N)           # N tiles never straddle two slices
+    n_tiles = (N // n_slice) * slice_tiles
+    first = (pid // (GROUP_M * n_tiles)) * GROUP_M
+    group = tl.minimum(num_blocks - first, GROUP_M)
+    block = first + (pid % (GROUP_M * n_tiles)) % group
+    pid_n = (pid % (GROUP_M * n_tiles)) // group
     expert = tl.load(block_expert_ptr + block)
     if expert < 0:
         return
     pairs, valid, x_rows = block_rows(sorted_pairs_ptr, block, num_pairs, top_k, BLOCK_M, TOKEN_ROWS)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
+    slice_id = pid_n // slice_tiles
+    n_local = (pid_n % slice_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n_local < n_slice
+    offs_n = slice_id * n_slice + n_local
     offs_k = tl.arange(0, BLOCK_K)
     x_base = x_ptr + x_rows.to(tl.int64)[:, None] * stride_xm
     w_base = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if HAS_LORA:
+        # column c of the stacked shrink is rank c % r of adapter c // r; it is kept for a row only
+        # if that row's token uses the adapter, and loaded only if some row of the block does
+        cols = tl.arange(0, BLOCK_LR)
+        col_l, col_r = cols // R, cols % R
+        row_l = tl.load(token_lora_ptr + pairs // top_k, mask=valid, other=-1)                # [BM]
+        hit = (row_l[:, None] == col_l[None, :]) & valid[:, None]                              # [BM, LR]
+        col_ok = (tl.max(hit.to(tl.int32), axis=0) > 0) & (col_l < num_loras)
+        col_ok = col_ok & (col_r < slot_rank(lora_ranks_ptr, tl.where(col_ok, col_l, 0), R, HAS_RANKS))
+        col_l, col_r = tl.where(col_ok, col_l, 0), tl.where(col_ok, col_r, 0)
+        a_ptr, b_ptr = slice_pointers(slice_id, a0_ptr, a1_ptr, b0_ptr, b1_ptr)
+        a_cols = a_ptr + expert.to(tl.int64) * stride_ae + col_l.to(tl.int64) * stride_al + col_r * stride_ar
+        t = tl.zeros((BLOCK_M, BLOCK_LR), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
         if EVEN_K:
@@ -50,6 +91,20 @@ def moe_gemm_kernel(
             xk = tl.load(x_base + ks[None, :] * stride_xk, mask=valid[:, None] & k_ok[None, :], other=0.0)
             wk = tl.load(w_base + ks[:, None] * stride_wk, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
         acc = tl.dot(xk, wk, acc, input_precision=DOT_PRECISION)                  # [BM, BK] @ [BK, BN]
+        if HAS_LORA:
+            if EVEN_K:
+                ak = tl.load(a_cols[None, :] + ks[:, None] * stride_ak, mask=col_ok[None, :], other=0.0)
+            else:
+                ak = tl.load(a_cols[None, :] + ks[:, None] * stride_ak,
+                             mask=col_ok[None, :] & (ks < K)[:, None], other=0.0)
+            t = tl.dot(xk, ak, t, input_precision=DOT_PRECISION)                  # [BM, BK] @ [BK, LR]
+    if HAS_LORA:
+        # expand: acc += T (own adapter's columns only) @ B[adapter, e, n-tile, rank]^T, all in registers
+        t = tl.where(hit & col_ok[None, :], t, 0.0).to(x_ptr.dtype.element_ty)
+        bt = tl.load(b_ptr + expert.to(tl.int64) * stride_be + col_l.to(tl.int64)[:, None] * stride_bl
+                     + col_r[:, None] * stride_br + n_local[None, :] * stride_bn,
+                     mask=col_ok[:, None] & n_ok[None, :], other=0.0)                 # [LR, BN]
+        acc = tl.dot(t, bt, acc, input_precision=DOT_PRECISION)
     if MUL_ROUTED_WEIGHT:
         acc = acc * tl.load(topk_weights_ptr + pairs, mask=valid, other=0.0)[:, None]
     out = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on

@@ -123,3 +123,28 @@ def save_kernel_plots(rows, out_dir, name="kernels"):
     ax.set_title(f"Roofline: every path, every case ({timed[0]['gpu']})")
     written.append(_save(fig, out_dir / f"{name}_roofline.png"))
     return written
+
+
+def gemm_tile_table(rows) -> list[dict]:
+    """Per (op, M, LoRA rank) of ``gemm_tune.csv``: the tiles of the rule when the sweep ran, of
+    ``moe.gemm_tiles`` now, and the best of the grid (µs and tiles), for the tiles that ran."""
+    from ..config import MoEShape
+    from ..moe import gpu_gemm_tiles
+
+    keys = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")
+    name = lambda t: "{block_m}x{block_n}x{block_k} g{group_m} w{num_warps} s{num_stages}".format(**t)
+    groups: dict = {}
+    for r in rows:
+        if r.get("us_median") not in ("", None):
+            groups.setdefault((r["op"], r["M"], r["lora_rank"]), []).append(r)
+    out = []
+    for (op, M, rank), rs in sorted(groups.items()):
+        best = min(rs, key=lambda r: r["us_median"])
+        then = next(r for r in rs if str(r["rule_at_run"]) == "True")
+        shape = MoEShape.from_name(rs[0]["preset"])
+        now_t = {k.lower(): v for k, v in gpu_gemm_tiles(M * shape.top_k / shape.num_experts, lora=rank > 0).items()}
+        now = next((r for r in rs if all(r[k] == now_t[k] for k in keys)), None)
+        out.append(dict(op=op, M=M, lora_rank=rank, then_us=then["us_median"], then=name(then),
+                        now_us=now["us_median"] if now else None, now=name(now) if now else "not in the grid",
+                        best_us=best["us_median"], best=name(best)))
+    return out

@@ -9,6 +9,7 @@ VARIANT_STYLE = {
     "no_lora": dict(color="black", marker="o", label="no LoRA"),
     "sequential": dict(color="#1f77b4", marker="s", label="LoRA, one stream"),
     "dual_stream": dict(color="#2ca02c", marker="^", label="LoRA, two streams (folded join)"),
+    "fused": dict(color="#ff7f0e", marker="D", label="LoRA inside the base GEMMs"),
     "sequential_vllm_join": dict(color="#9467bd", marker="s", linestyle="--", label="one stream, vLLM join"),
     "dual_stream_vllm_join": dict(color="#d62728", marker="^", linestyle="--", label="two streams, vLLM join"),
 }

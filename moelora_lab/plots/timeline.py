@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 STAGE_COLORS = {"base_w13": "#1f77b4", "base_w2": "#17becf", "act": "#7f7f7f", "sum": "#bcbd22",
-                "lora_w13": "#d62728", "lora_w2": "#ff7f0e"}
+                "lora_w13": "#d62728", "lora_w2": "#ff7f0e", "w13+lora": "#8c564b", "w2+lora": "#e377c2"}
 LANES = ("main", "lora")
 
 

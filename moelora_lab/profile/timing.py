@@ -57,6 +57,15 @@ def copy_bandwidth(num_bytes: int = 2 << 30) -> float:
     return 2 * num_bytes / (t.median_us * 1e-6)
 
 
+def matmul_rate(dtype: torch.dtype = torch.bfloat16, n: int = 8192) -> float:
+    """FLOP/s of one n x n x n matmul in ``dtype`` (the compute ceiling next to the copy ceiling)."""
+    _need_gpu("matmul_rate")
+    a = torch.randn(n, n, device="cuda", dtype=dtype)
+    b = torch.randn(n, n, device="cuda", dtype=dtype)
+    t = time_cuda(lambda: a @ b, graph=False)
+    return 2 * n ** 3 / (t.median_us * 1e-6)
+
+
 def provenance(command: str) -> dict:
     """What produced a measurement: GPU, software versions, date, command."""
     import triton

@@ -1,0 +1,123 @@
+"""``python -m moelora_lab.bench gemm``: the tile grid of the base grouped GEMM (with and without
+the in-GEMM LoRA), the evidence behind ``moe.gemm_tiles``.
+
+For each (preset, w13/w2, M) every tile in ``TILE_GRID`` (and BLOCK_M 64 / 128 once experts get
+more than 32 pairs, each with GROUP_M 1 and 8) is checked against the rule's tiles' output and
+timed as a CUDA-graph replay with L2 flushed; ``torch._grouped_mm`` on rows already grouped by
+expert is timed next to it, per GEMM and for the w13 + w2 pair. The CSV is rewritten after every M, so a cut-short run keeps its rows.
+
+Shape legend: M tokens, E experts, k top-k, L adapters, r rank, H hidden, I expert intermediate.
+"""
+from __future__ import annotations
+
+import shlex
+import sys
+import time
+
+import torch
+
+from .bench import device
+
+# (BLOCK_N, BLOCK_K, num_stages, num_warps): a curated grid, GROUP_M 1 and 8 on top
+TILE_GRID = ((32, 128, 4, 4), (32, 256, 3, 4), (64, 128, 4, 4), (64, 256, 3, 4), (64, 64, 5, 4),
+             (128, 64, 3, 4), (128, 64, 4, 4), (128, 128, 3, 4), (128, 128, 3, 8), (256, 64, 3, 8),
+             (256, 64, 4, 8), (256, 128, 3, 8))
+
+
+def add_parser(sub, default_out):
+    g = sub.add_parser("gemm", help="tile grid of the base grouped GEMM, with and without the in-GEMM LoRA")
+    g.add_argument("--presets", nargs="+", default=["qwen3-30b-a3b"])
+    g.add_argument("--tokens", nargs="+", type=int, default=[1, 16, 64, 128, 512, 2048, 8192])
+    g.add_argument("--lora-rank", type=int, default=16, help="rank of the in-GEMM LoRA rows (0: none)")
+    g.add_argument("--lora-max-tokens", type=int, default=128, help="time the in-GEMM LoRA up to this M")
+    g.add_argument("--loras", type=int, default=4)
+    g.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-seconds", type=float, default=1e9, help="stop starting new cases after this long")
+    g.add_argument("--out", type=__import__("pathlib").Path, default=default_out)
+    g.add_argument("--name", default="gemm_tune")
+
+
+def _tiles_for(per_expert: float, default: dict) -> list[dict]:
+    block_ms = [default["BLOCK_M"]] + [m for m in (64, 128) if per_expert > 32 and m != default["BLOCK_M"]]
+    out = [dict(default)]
+    for bm in block_ms:
+        for bn, bk, stages, warps in TILE_GRID:
+            for group in ((1, 8) if bm >= 64 else (1,)):
+                t = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group, num_warps=warps, num_stages=stages)
+                if t not in out:
+                    out.append(t)
+    return out
+
+
+def run_gemm(args) -> list[dict]:
+    from tqdm.auto import tqdm
+
+    from .align import make_blocks
+    from .bench import write_csv
+    from .bench_layer import _grouped_mm_fn, _weights
+    from .config import MoEShape, make_routing
+    from .moe import GemmLoRA, gemm_tiles, moe_gemm
+    from .profile.timing import provenance, time_cuda
+
+    dtype = getattr(torch, args.dtype)
+    prov = provenance("python -m moelora_lab.bench " + " ".join(shlex.quote(a) for a in args.argv))
+    gen = torch.Generator(device=device()).manual_seed(args.seed)
+    rows, start = [], time.monotonic()
+    for preset in args.presets:
+        shape = MoEShape.from_name(preset)
+        E, H, I, k, L = shape.num_experts, shape.hidden, shape.intermediate, shape.top_k, args.loras
+        w13 = torch.randn(E, 2 * I, H, device=device(), generator=gen, dtype=dtype) / H ** 0.5
+        w2 = torch.randn(E, H, I, device=device(), generator=gen, dtype=dtype) / I ** 0.5
+        lora = _weights(shape, L, max(args.lora_rank, 1), gen, dtype)
+        for M in tqdm(args.tokens, desc=f"gemm {preset}", unit="M"):
+            if time.monotonic() - start > args.max_seconds:
+                print(f"time budget of {args.max_seconds} s spent: skipping M={M} and up", file=sys.stderr)
+                break
+            rt = make_routing(shape, L, M, seed=args.seed + M, num_sequences=min(M, 8))
+            ids, tw, tl = (rt[n].to(device()) for n in ("topk_ids", "topk_weights", "token_lora"))
+            P, tl32, wflat = M * k, tl.to(torch.int32), tw.reshape(-1).float().contiguous()
+            x = torch.randn(M, H, device=device(), generator=gen, dtype=dtype)
+            h = torch.randn(P, I, device=device(), generator=gen, dtype=dtype)
+            ops = {"w13": (x, w13, None, GemmLoRA(tl32, lora["w13_lora_a"], lora["w13_lora_b"])),
+                   "w2": (h, w2, wflat, GemmLoRA(tl32, lora["w2_lora_a"], lora["w2_lora_b"]))}
+            ref_fn = _grouped_mm_fn(x, h, ids, w13, w2)
+            ref13, ref2 = ref_fn.parts
+            grouped = {"w13": time_cuda(ref13).median_us, "w2": time_cuda(ref2).median_us,
+                       "pair": time_cuda(ref_fn).median_us}
+            blocks = {}
+            loras = [None] + ([args.lora_rank] if args.lora_rank and M <= args.lora_max_tokens else [])
+            for op, (inp, w, weights, glora) in ops.items():
+                for rank in loras:
+                    extra = glora if rank else None
+                    default = gemm_tiles(P, E, lora=bool(rank))
+                    out = torch.empty(P, w.shape[1], device=device(), dtype=dtype)
+                    want = None
+                    for tiles in _tiles_for(P / E, default):
+                        bm = tiles["BLOCK_M"]
+                        if bm not in blocks:
+                            blocks[bm] = make_blocks(ids, torch.zeros_like(tl), E, 1, bm)
+                        fn = lambda: moe_gemm(inp, w, blocks[bm], out, top_k=k, topk_weights=weights,
+                                              tiles=tiles, lora=extra)
+                        error, med, p20, p80 = "", "", "", ""
+                        try:
+                            got = fn().float().clone()
+                            if want is None:
+                                want = got
+                            ok = torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+                            if not ok:
+                                error = "output differs from the default tiles"
+                            else:
+                                t = time_cuda(fn)
+                                med, p20, p80 = round(t.median_us, 2), round(t.p20_us, 2), round(t.p80_us, 2)
+                        except Exception as exc:    # e.g. out of shared memory for this tile: record, go on
+                            error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+                        rows.append(dict(preset=preset, op=op, M=M, lora_rank=rank or 0, loras=L if rank else 0,
+                                         rule_at_run=tiles == default, **{k_.lower(): v for k_, v in tiles.items()},
+                                         us_median=med, us_p20=p20, us_p80=p80,
+                                         grouped_mm_us=round(grouped[op], 2),
+                                         grouped_mm_pair_us=round(grouped["pair"], 2), error=error, **prov))
+            torch.cuda.empty_cache()
+            args.out.mkdir(parents=True, exist_ok=True)
+            write_csv(rows, args.out / f"{args.name}.csv")
+    return rows

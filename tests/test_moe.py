@@ -1,0 +1,81 @@
+"""The base grouped GEMM, with and without the LoRA computed inside it, against the reference."""
+import pytest
+import torch
+
+import moelora_lab as ml
+from moelora_lab.align import make_blocks
+from moelora_lab.moe import GemmLoRA, fused_columns, gemm_tiles, moe_gemm
+from utils import assert_close, poisoned
+
+SHAPE = ml.MoEShape(48, 40, 6, 2, "moe-test")     # K and N not multiples of the tiles
+
+
+def case(device, dtype, M, rank, seed, **kw):
+    return ml.make_problem(SHAPE, ml.LoRAShape(3, rank), M, dtype=dtype, device=device, seed=seed, **kw)
+
+
+def expected(p, x, w, lora_a, lora_b, mul, ranks=None):
+    """Every pair's base row plus, for pairs with an adapter, its LoRA delta (fp32)."""
+    M, k = p.topk_ids.shape
+    rows = x.float().repeat_interleave(k, 0) if x.shape[0] == M else x.float()
+    base = torch.einsum("pk,pnk->pn", rows, w.float()[p.topk_ids.reshape(-1).long()])
+    if ranks is not None:   # the spec on weights cut to each slot's rank
+        keep = torch.arange(lora_a[0].shape[2], device=x.device)[None, :] < ranks[:, None]
+        lora_a = [torch.where(keep[:, None, :, None], a, torch.zeros_like(a)) for a in lora_a]
+        lora_b = [torch.where(keep[:, None, None, :], b, torch.zeros_like(b)) for b in lora_b]
+    delta = ml.moe_lora_reference(x, p.topk_ids, p.topk_weights, p.token_lora, lora_a, lora_b)
+    out = base + delta.reshape(M * k, -1)
+    if mul:
+        out = out * p.topk_weights.reshape(-1, 1).float()
+    return out
+
+
+def run(p, x, w, lora, mul):
+    M, k = p.topk_ids.shape
+    tiles = gemm_tiles(M * k, SHAPE.num_experts)
+    blocks = make_blocks(p.topk_ids, torch.zeros_like(p.token_lora), SHAPE.num_experts, 1, tiles["BLOCK_M"])
+    out = poisoned((M * k, w.shape[1]), x.dtype, x.device)    # an unwritten row stays NaN and fails
+    weights = p.topk_weights.reshape(-1).float().contiguous() if mul else None
+    return moe_gemm(x, w, blocks, out, top_k=k, topk_weights=weights, tiles=tiles, lora=lora)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("M, rank, kw", [(9, 8, dict(no_adapter_fraction=0.3)), (20, 5, {}), (1, 16, {})])
+def test_in_gemm_lora_matches_reference(device, dtype, M, rank, kw):
+    """w13 (token rows, 2 slices of 40 columns) and w2 (pair rows, routing weights)."""
+    p = case(device, dtype, M, rank, seed=M + rank, **kw)
+    tl32 = p.token_lora.to(torch.int32)
+    out13 = run(p, p.x, p.w13, GemmLoRA(tl32, p.w13_lora_a, p.w13_lora_b), mul=False)
+    assert_close(out13, expected(p, p.x, p.w13, p.w13_lora_a, p.w13_lora_b, False), dtype)
+    h = torch.randn(M * SHAPE.top_k, SHAPE.intermediate, device=device, dtype=dtype)
+    out2 = run(p, h, p.w2, GemmLoRA(tl32, p.w2_lora_a, p.w2_lora_b), mul=True)
+    assert_close(out2, expected(p, h, p.w2, p.w2_lora_a, p.w2_lora_b, True), dtype)
+
+
+def test_in_gemm_lora_touches_only_rows_with_an_adapter(device):
+    """With adapters on some tokens only, the other rows are exactly the base GEMM."""
+    p = case(device, torch.float32, 12, 8, seed=3, no_adapter_fraction=0.5)
+    tl32 = p.token_lora.to(torch.int32)
+    with_lora = run(p, p.x, p.w13, GemmLoRA(tl32, p.w13_lora_a, p.w13_lora_b), mul=False)
+    base = run(p, p.x, p.w13, None, mul=False)
+    none = (p.token_lora < 0).repeat_interleave(SHAPE.top_k)
+    assert none.any() and (~none).any()
+    assert torch.equal(with_lora[none], base[none])
+    assert not torch.allclose(with_lora[~none], base[~none])
+
+
+def test_in_gemm_lora_reads_only_each_slots_rank(device):
+    """Weights past a slot's actual rank are NaN: they must never be read."""
+    p = case(device, torch.float32, 10, 16, seed=4, adapter_ranks=(3, 16, 8))
+    ranks = torch.tensor(p.adapter_ranks, device=device, dtype=torch.int32)
+    lora_a, lora_b = [a.clone() for a in p.w13_lora_a], [b.clone() for b in p.w13_lora_b]
+    for slot, r in enumerate(p.adapter_ranks):
+        for a, b in zip(lora_a, lora_b):
+            a[slot, :, r:] = float("nan")
+            b[slot, :, :, r:] = float("nan")
+    out = run(p, p.x, p.w13, GemmLoRA(p.token_lora.to(torch.int32), lora_a, lora_b, ranks), mul=False)
+    assert_close(out, expected(p, p.x, p.w13, lora_a, lora_b, False, ranks), torch.float32)
+
+
+def test_fused_columns():
+    assert fused_columns(4, 16) == 64 and fused_columns(3, 5) == 16 and fused_columns(3, 48) == 256
