@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Check and measure on a CUDA GPU in one go: the test suite on CUDA, the register report, the
 # kernel sweep. Results go to $OUT (default ./gpu_results). Usage:
-#   bash scripts/gpu_suite.sh [tests] [registers] [tune] [smoke|kernels] [layer] [align]
+#   bash scripts/gpu_suite.sh [tests] [registers] [tune] [smoke|kernels] [layer] [align] [gemm]
 set -uo pipefail
 OUT=${OUT:-gpu_results}
 mkdir -p "$OUT"
@@ -25,6 +25,8 @@ for step in "${steps[@]}"; do
       $PY -m moelora_lab.bench layer --out "$OUT" 2>&1 | tail -n 5 ;;
     align)
       $PY -m moelora_lab.bench align --out "$OUT" 2>&1 | tail -n 3 ;;
+    gemm)
+      $PY -m moelora_lab.bench gemm --max-seconds 360 --out "$OUT" 2>&1 | tail -n 3 ;;
     kernels)
       $PY -m moelora_lab.bench kernels --time-alignment --out "$OUT" 2>&1 | tail -n 5 ;;
     *) echo "unknown step $step" ;;

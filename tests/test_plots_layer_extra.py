@@ -143,9 +143,9 @@ def test_draw_base_and_plan():
     draw_base_and_plan(ax, data, preset="p", rank=16)
     labels = [line.get_label() for line in ax.get_lines()]
     assert labels == ["whole layer, no LoRA", "torch._grouped_mm (w13 + w2, rows pre-grouped)",
-                      "routing plan (PyTorch ops)"]                       # base_gemms absent: no line
+                      "routing plan (plan_layer, device kernels)"]                       # base_gemms absent: no line
     assert list(ax.get_lines()[2].get_ydata()) == [100.0, 100.0] and ax.get_xscale() == "log"
     ax = Figure().add_subplot()
-    draw_base_and_plan(ax, data, preset="p", rank=16, device_plan=[(16, 20.0), (1, 10.0)])
+    draw_base_and_plan(ax, data, preset="p", rank=16, torch_plan=[(16, 20.0), (1, 10.0)])
     device = ax.get_lines()[-1]
-    assert device.get_label() == "routing plan (Triton kernels, 2 block lists)" and list(device.get_xdata()) == [1, 16]
+    assert device.get_label() == "routing plan as PyTorch ops (2 block lists)" and list(device.get_xdata()) == [1, 16]

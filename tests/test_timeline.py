@@ -47,13 +47,19 @@ def test_committed_h200_traces():
     import moelora_lab
 
     traces = load_traces(Path(moelora_lab.__file__).parent / "data" / "h200" / "layer_traces.json")
-    assert len(traces) == 8
+    assert len(traces) == 10
+    assert sorted(t["meta"]["schedule"] for t in traces.values()).count("fused") == 2
     for name, t in traces.items():
         assert t["meta"]["gpu"] == "NVIDIA H200" and t["meta"]["triton"] and t["meta"]["torch"]
-        assert {r["stream"] for r in t["records"]} == {"main", "lora"}
-        assert {r["name"] for r in t["records"]} == {"base_w13", "lora_w13", "act", "base_w2", "lora_w2", "sum"}
         m = overlap_metrics(t["records"])
         assert m == t["metrics"]
+        if t["meta"]["schedule"] == "fused":        # the LoRA rides in the GEMMs: one lane, four stages
+            assert {r["stream"] for r in t["records"]} == {"main"} and t["meta"]["rank"] == 16
+            assert [r["name"] for r in t["records"]] == ["w13+lora", "act", "w2+lora", "sum"]
+            assert m["side_busy_us"] == 0 and m["critical_path_us"] >= 0.99 * m["serial_sum_us"]
+            continue
+        assert {r["stream"] for r in t["records"]} == {"main", "lora"}
+        assert {r["name"] for r in t["records"]} == {"base_w13", "lora_w13", "act", "base_w2", "lora_w2", "sum"}
         if t["meta"]["schedule"] == "sequential":
             assert m["overlap"] == 0.0 and m["critical_path_us"] >= 0.99 * m["serial_sum_us"]
         else:

@@ -265,17 +265,17 @@ BASE_STYLE = {
     "no_lora": dict(color="black", marker="o", label="whole layer, no LoRA"),
     "base_gemms": dict(color="#1f77b4", marker="s", label="our grouped GEMMs (w13 + w2)"),
     "grouped_mm": dict(color="#ff7f0e", marker="^", label="torch._grouped_mm (w13 + w2, rows pre-grouped)"),
-    "plan": dict(color="#d62728", marker="x", linestyle="--", label="routing plan (PyTorch ops)"),
+    "plan": dict(color="#d62728", marker="x", linestyle="--", label="routing plan (plan_layer, device kernels)"),
 }
 
 
 def draw_base_and_plan(ax, rows, *, preset: str, rank: int, variants=tuple(BASE_STYLE),
-                       device_plan=None) -> None:
+                       torch_plan=None) -> None:
     """Time against M (log-log, p20-p80 band) of the no-LoRA layer, its two grouped GEMMs, the same
-    GEMMs through torch._grouped_mm, and the routing plan; ``device_plan``: [(M, µs)] of the plan
-    built by device kernels, drawn as a dotted line."""
+    GEMMs through torch._grouped_mm, and the routing plan; ``torch_plan``: [(M, µs)] of the same plan
+    built from PyTorch ops, drawn as a dotted line."""
     _variant_lines(ax, rows, preset=preset, rank=rank, variants=variants, styles=BASE_STYLE)
-    if device_plan:
-        ax.plot(*zip(*sorted(device_plan)), color=BASE_STYLE["plan"]["color"], marker="+", linestyle=":",
-                label="routing plan (Triton kernels, 2 block lists)")
+    if torch_plan:
+        ax.plot(*zip(*sorted(torch_plan)), color=BASE_STYLE["plan"]["color"], marker="+", linestyle=":",
+                label="routing plan as PyTorch ops (2 block lists)")
     log_axes(ax, "time per call (µs)", f"{preset}: the base GEMMs and the routing plan")
