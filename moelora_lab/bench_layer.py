@@ -21,6 +21,7 @@ from __future__ import annotations
 import shlex
 import sys
 import time
+import warnings
 
 import torch
 
@@ -59,7 +60,7 @@ def run_layer(args) -> tuple[list[dict], dict]:
     from tqdm.auto import tqdm
 
     from .config import MoEShape, make_routing
-    from .layer import fused_fits, moe_lora_layer, plan_layer
+    from .layer import fused_fits, moe_lora_layer, plan_layer, resolve_schedule
     from .moe import gemm_tiles, moe_gemm
     from .profile.timeline import capture_timeline, overlap_metrics
     from .profile.timing import copy_bandwidth, matmul_rate, provenance, time_cuda
@@ -126,7 +127,13 @@ def run_layer(args) -> tuple[list[dict], dict]:
                 error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
             floor = floors[name not in ("no_lora", "base_gemms", "grouped_mm", "plan")]
             path = {"fused": "in_gemm", "auto": plan_a.lora_path}.get(name, plan_l.lora_path)
-            rows.append(dict(preset=preset, M=M, rank=rank, loras=L, variant=name, lora_path=path,
+            ran = ""
+            if name in VARIANTS[1:7]:          # the schedule that really ran (auto resolved, CPU: sequential)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", RuntimeWarning)
+                    ran = resolve_schedule(name.removesuffix("_vllm_join"), torch.device(device()), num_pairs=M * k,
+                                           num_experts=E, rank=rank, fits=plan_f is not None)
+            rows.append(dict(preset=preset, M=M, rank=rank, loras=L, variant=name, schedule=ran, lora_path=path,
                              us_median=med, us_p20=p20, us_p80=p80, floor_bytes=floor.bytes,
                              floor_us=round(floor.floor_us(copy_bps), 2),
                              roofline_us=round(max(floor.floor_us(copy_bps), floor.flops / flops_per_s * 1e6), 2),

@@ -49,6 +49,9 @@ def test_layer_pipeline(cpu_bench, tmp_path):
     assert {"no_lora", "sequential", "dual_stream", "fused", "auto", "sequential_vllm_join",
             "dual_stream_vllm_join", "base_gemms", "plan"} <= timed
     assert {r["lora_path"] for r in rows if r["variant"] == "fused"} == {"in_gemm"}
+    ran = {r["variant"]: r["schedule"] for r in rows}
+    assert ran["auto"] == ran["dual_stream_vllm_join"] == "sequential" and ran["fused"] == "fused"   # CPU: one stream
+    assert ran["no_lora"] == ""
     assert all(r["roofline_us"] >= r["floor_us"] > 0 for r in rows) and (tmp_path / "layer_tiny.png").exists()
     assert not (tmp_path / "layer_traces.json").exists()      # timelines need CUDA events: none on the CPU
 
