@@ -176,7 +176,9 @@ def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=No
                    lora_ranks: torch.Tensor | None = None) -> torch.Tensor:
     """One MoE layer with LoRA on w13 (2 slices) and w2 (1 slice): y [M, H] in x's dtype.
 
-    Without LoRA weights it is the plain MoE layer. ``plan`` (from :func:`plan_layer`) skips the
+    ``schedule``: 'sequential', 'dual_stream', 'fused' or 'auto' (see the module docstring); ``join``:
+    'fold' or 'vllm' (two-kernel schedules only). Without LoRA weights it is the plain MoE layer.
+    ``plan`` (from :func:`plan_layer`) skips the
     routing-metadata work and the id-range checks (which synchronise with the GPU); ``tracer``
     (see ``profile.timeline``) records per-stream intervals of every stage. ``lora_ranks`` [L]: the
     actual rank of each slot, as in :func:`moelora_lab.moe_lora`.
@@ -220,6 +222,9 @@ def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=No
     if plan is not None and with_lora and (plan.lora_blocks is None) != (run == "fused"):
         raise TypeError(f"plan: made for another schedule than this call's ({run!r}); pass plan_layer(..., "
                         f"schedule={schedule!r}) with the layer's num_loras, rank, hidden and intermediate")
+    if run == "fused" and join != "fold":
+        raise ValueError(f"join: {join!r} has no meaning with schedule='fused' (the LoRA is added inside the GEMMs, "
+                         "there is no join); leave join at 'fold' or pick another schedule")
     dual = run == "dual_stream"
     if INTERPRET and x.dtype == torch.bfloat16:
         raise TypeError("x: bfloat16 is mis-computed by the Triton interpreter; use float32 or float16 on the CPU")

@@ -58,6 +58,9 @@ def test_auto_schedule_and_fused_limits(device):
     p = problem(device, rank=48, seed=11)              # 3 adapters x rank 48: 256 stacked columns
     with pytest.raises(ValueError, match="schedule='fused': the in-GEMM LoRA needs L\\*r <= 128"):
         moe_lora_layer(**p.layer_inputs(), schedule="fused")
+    q = problem(device, rank=8, seed=11)
+    with pytest.raises(ValueError, match="join: 'vllm' has no meaning with schedule='fused'"):
+        moe_lora_layer(**q.layer_inputs(), schedule="fused", join="vllm")
     plan = plan_layer(p.topk_ids, p.token_lora, E, 3, 48)
     assert plan.lora_path != "in_gemm" and plan.lora_blocks is not None
     close(moe_lora_layer(**p.layer_inputs(), plan=plan), ml.moe_layer_reference(**p.layer_inputs()), torch.float32)
