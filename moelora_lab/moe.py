@@ -32,7 +32,7 @@ class GemmLoRA(NamedTuple):
 # From one H200 sweep (bf16, qwen3-30b-a3b, w13 and w2, M = 1 .. 8192; data/h200/gemm_tune.csv):
 # with <= 16 pairs per expert, 128 x 128 (N x K) tiles come within 6% of the best of the grid for
 # both GEMMs (the earlier 128 x 64 lost up to 28% at M = 1); from 64 pairs per expert 256-wide N
-# tiles with 4 stages and GROUP_M 8 win by 3-10% (M = 2048, 8192). The in-GEMM LoRA keeps
+# tiles with 4 stages and GROUP_M 8 win by 3-8% (M = 2048, 8192). The in-GEMM LoRA keeps
 # BLOCK_K = 128 while blocks hold one or two pairs and drops to 64 once they mix adapters (within 7%).
 def gemm_tiles(num_pairs: int, num_experts: int, *, lora: bool = False) -> dict:
     """Tiles of the grouped GEMM: BLOCK_M from the pairs each expert gets on average."""
