@@ -47,3 +47,13 @@ def rank_tile(r0, r_lim, BLOCK_R: tl.constexpr):
     offs_r = r0 + tl.arange(0, BLOCK_R)
     r_ok = offs_r < r_lim
     return tl.where(r_ok, offs_r, 0), r_ok
+
+
+@triton.jit
+def rank_tile_runs(rt, r_lim, BLOCK_R: tl.constexpr, HAS_RANKS: tl.constexpr):
+    """Whether rank tile ``rt`` has work: always without HAS_RANKS (no branch), else tile 0 (so the
+    rows a program owns get written) and every tile that starts below the slot's rank."""
+    run = True
+    if HAS_RANKS:
+        run = (rt == 0) | (rt * BLOCK_R < r_lim)
+    return run

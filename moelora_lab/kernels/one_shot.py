@@ -13,7 +13,7 @@ the fusion is kept (the output rows are re-read once per extra rank tile, never 
 import triton
 import triton.language as tl
 
-from .common import block_rows, rank_tile, slice_pointers, slot_rank
+from .common import block_rows, rank_tile, rank_tile_runs, slice_pointers, slot_rank
 
 
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
@@ -66,10 +66,7 @@ def one_shot_kernel(
     out_base = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + (slice_offset + slice_id * N) * stride_on
 
     for rt in range(RANK_TILES):
-        run = True                                   # without HAS_RANKS: every tile, no branch
-        if HAS_RANKS:                                # tile 0 always runs, so owned rows get written
-            run = (rt == 0) | (rt * BLOCK_R < r_lim)
-        if run:
+        if rank_tile_runs(rt, r_lim, BLOCK_R, HAS_RANKS):
             offs_r, r_ok = rank_tile(rt * BLOCK_R, r_lim, BLOCK_R)
             # ---- shrink: t[BM, BLOCK_R] = X[rows, :] @ A[lora, expert, r-tile, :]^T, fp32 in registers
             t = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)

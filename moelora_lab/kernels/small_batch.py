@@ -12,7 +12,7 @@ as in the one-shot kernel.
 import triton
 import triton.language as tl
 
-from .common import rank_tile, slice_pointers, slot_rank
+from .common import rank_tile, rank_tile_runs, slice_pointers, slot_rank
 
 
 @triton.jit
@@ -57,10 +57,7 @@ def small_batch_kernel(
             if MUL_ROUTED_WEIGHT:
                 weight = tl.load(topk_weights_ptr + pair)
             for rt in range(RANK_TILES):
-                run = True                                   # without HAS_RANKS: every tile, no branch
-                if HAS_RANKS:                                # tile 0 always runs, so owned rows get written
-                    run = (rt == 0) | (rt * BLOCK_R < r_lim)
-                if run:
+                if rank_tile_runs(rt, r_lim, BLOCK_R, HAS_RANKS):
                     offs_r, r_ok = rank_tile(rt * BLOCK_R, r_lim, BLOCK_R)
                     part = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
                     for k0 in range(0, K, BLOCK_K):
