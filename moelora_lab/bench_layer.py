@@ -40,20 +40,16 @@ def _weights(shape, L, rank, gen, dtype):
     return lora
 
 
-def _grouped_mm_fn(x, h, topk_ids, w13, w2):
-    """The base GEMMs through torch._grouped_mm on rows pre-grouped by expert (grouping not timed)."""
+def _grouped_mm_fns(x, h, topk_ids, w13, w2):
+    """The w13 and w2 base GEMMs through torch._grouped_mm on rows pre-grouped by expert (grouping
+    not timed): two callables."""
     k = topk_ids.shape[1]
     experts = topk_ids.reshape(-1).long()
     order = torch.sort(experts, stable=True).indices
     xs, hs = x[order // k].contiguous(), h[order].contiguous()
     offs = torch.cumsum(torch.bincount(experts, minlength=w13.shape[0]), 0).to(torch.int32)
     b13, b2 = w13.transpose(1, 2), w2.transpose(1, 2)
-    parts = (lambda: torch._grouped_mm(xs, b13, offs=offs), lambda: torch._grouped_mm(hs, b2, offs=offs))
-
-    def both():
-        return parts[0](), parts[1]()
-    both.parts = parts
-    return both
+    return lambda: torch._grouped_mm(xs, b13, offs=offs), lambda: torch._grouped_mm(hs, b2, offs=offs)
 
 
 def run_layer(args) -> tuple[list[dict], dict]:
@@ -95,6 +91,7 @@ def run_layer(args) -> tuple[list[dict], dict]:
         c1 = torch.empty(M * k, 2 * I, device=device(), dtype=dtype)
         c3 = torch.empty(M * k, H, device=device(), dtype=dtype)
         tiles, wflat = gemm_tiles(M * k, E), tw.reshape(-1).contiguous()
+        grouped = _grouped_mm_fns(x, h, ids, w13, w2)
         fns = {
             "no_lora": lambda: moe_lora_layer(*base, plan=plan_b),
             "sequential": lambda: moe_lora_layer(*base, **lora, schedule="sequential", plan=plan_l),
@@ -108,7 +105,7 @@ def run_layer(args) -> tuple[list[dict], dict]:
             "base_gemms": lambda: (moe_gemm(x, w13, plan_b.base_blocks, c1, top_k=k, tiles=tiles),
                                    moe_gemm(h, w2, plan_b.base_blocks, c3, top_k=k, topk_weights=wflat,
                                             tiles=tiles)),
-            "grouped_mm": _grouped_mm_fn(x, h, ids, w13, w2),
+            "grouped_mm": lambda: tuple(f() for f in grouped),
             "plan": lambda: plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I, schedule="sequential",
                                        validate=False),
         }

@@ -241,10 +241,7 @@ def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=No
     tiles = gemm_tiles(P, E)
     base_blocks, lora_blocks, path = plan.base_blocks, plan.lora_blocks, plan.lora_path
     streams = _Streams(dual, x.device, tracer)
-    c1 = torch.empty(P, 2 * I, dtype=x.dtype, device=x.device)
-    h = torch.empty(P, I, dtype=x.dtype, device=x.device)
-    c3 = torch.empty(P, H, dtype=x.dtype, device=x.device)
-    y = torch.empty(M, H, dtype=x.dtype, device=x.device)
+    c1, h, c3, y = _buffers(x, M, k, H, I)
     d13 = d2 = None
     if with_lora:
         alloc = torch.zeros if join == "vllm" else torch.empty       # vLLM's join needs zeroed deltas
@@ -282,15 +279,17 @@ def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=No
     return y
 
 
+def _buffers(x, M: int, k: int, H: int, I: int):
+    """The layer's activations, uninitialised, on the current stream: c1 [P, 2I], h [P, I], c3 [P, H], y [M, H]."""
+    P = M * k
+    return tuple(torch.empty(*shape, dtype=x.dtype, device=x.device) for shape in ((P, 2 * I), (P, I), (P, H), (M, H)))
+
+
 def _fused_layer(x, topk_ids, weights, token_lora, w13, w2, blocks, *, tiles, lora13, lora2, tracer):
     """The ``fused`` schedule: four launches, the LoRA computed inside the two grouped GEMMs."""
     M, k = topk_ids.shape
-    P, I, H = M * k, w2.shape[2], w2.shape[1]
     streams = _Streams(False, x.device, tracer)
-    c1 = torch.empty(P, 2 * I, dtype=x.dtype, device=x.device)
-    h = torch.empty(P, I, dtype=x.dtype, device=x.device)
-    c3 = torch.empty(P, H, dtype=x.dtype, device=x.device)
-    y = torch.empty(M, H, dtype=x.dtype, device=x.device)
+    c1, h, c3, y = _buffers(x, M, k, w2.shape[1], w2.shape[2])
     with streams.stage("w13+lora", "main"):
         moe_gemm(x, w13, blocks, c1, top_k=k, tiles=tiles, lora=lora13)
     with streams.stage("act", "main"):
