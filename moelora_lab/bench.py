@@ -241,8 +241,9 @@ def parse_args(argv):
     a.add_argument("--seed", type=int, default=0)
     a.add_argument("--out", type=Path, default=DEFAULT_OUT)
     a.add_argument("--name", default="align")
-    from .bench_gemm import add_parser
-    add_parser(sub, DEFAULT_OUT)
+    from . import bench_gemm, bench_tune
+    bench_gemm.add_parser(sub, DEFAULT_OUT)
+    bench_tune.add_parser(sub, DEFAULT_OUT)
     args = p.parse_args(argv)
     if args.what == "layer":
         from .bench_layer import VARIANTS
@@ -270,6 +271,9 @@ def main(argv=None) -> int:
     elif args.what == "gemm":
         from .bench_gemm import run_gemm
         rows = run_gemm(args)
+    elif args.what == "tune":
+        from .bench_tune import run_tune
+        rows = run_tune(args)
     else:
         rows = run_kernels(args) if args.what == "kernels" else run_registers(args)
     csv_path = args.out / f"{args.name}.csv"
@@ -280,7 +284,7 @@ def main(argv=None) -> int:
         for png in save_layer_plots(rows, args.out, args.name):
             print(f"wrote {png}", file=sys.stderr)
         return 0
-    if args.what != "kernels" or args.tune:   # gemm, align, registers: CSV only
+    if args.what != "kernels" or args.tune:   # gemm, tune, align, registers: CSV only
         return 0
     try:
         from .plots.bench import save_kernel_plots

@@ -99,7 +99,7 @@ def choose_path(num_pairs: int, num_experts: int, num_loras: int, rank: int) -> 
 
 
 def choose_config(path: str, num_pairs: int, num_groups: int, n_out: int, num_slices: int,
-                  device: torch.device) -> KernelConfig:
+                  device: torch.device, *, k_in: int | None = None) -> KernelConfig:
     """Tiles for ``path`` given the pairs and the number of (adapter, expert) groups they touch."""
     if INTERPRET:
         return CONFIGS["interpreter"]

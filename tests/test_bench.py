@@ -73,3 +73,36 @@ def test_registers_on_cpu_records_the_reason(cpu_bench, tmp_path):
                        "--out", str(tmp_path)]) == 0
     (row,) = bench.read_csv(tmp_path / "registers.csv")
     assert "needs a CUDA GPU" in row["error"]
+
+
+def test_lora_tile_walk_pipeline(cpu_bench, tmp_path, monkeypatch):
+    import moelora_lab.bench_tune as bench_tune
+    monkeypatch.setattr(bench_tune, "AXES", {"block_k": (32, 64), "n_chunks": (1, 2), "block_m": (16,)})
+    assert bench.main(["tune", "--presets", "tiny", "--tokens", "3", "--ranks", "8", "--ops", "w2",
+                       "--dtype", "float32", "--out", str(tmp_path)]) == 0
+    rows = bench.read_csv(tmp_path / "lora_tune.csv")
+    for path in ("one_shot", "two_kernel"):
+        mine = [r for r in rows if r["path"] == path]
+        assert sum(r["rule"] == "True" for r in mine) == 1 and sum(r["best"] == "True" for r in mine) >= 1
+        assert all(r["error"] == "" and r["us_median"] == 10.0 for r in mine)
+        keys = [tuple(r[f] for f in bench_tune.TILE_FIELDS) for r in mine]
+        assert len(keys) == len(set(keys))                     # every config is timed once
+    # the walk tries each value of each axis once (n_chunks only for the one-shot kernel)
+    assert {r["block_k"] for r in rows} >= {32, 64}
+    assert {r["n_chunks"] for r in rows if r["path"] == "one_shot"} >= {1, 2}
+
+
+def test_lora_tile_walk_keeps_the_fastest(monkeypatch):
+    from moelora_lab.bench_tune import _walk
+    from moelora_lab.dispatch import KernelConfig
+    import moelora_lab.bench_tune as bench_tune
+
+    cost = {64: 5.0, 128: 3.0, 256: None}             # None: the tile failed (never chosen)
+
+    def measure(cfg):
+        us = cost.get(cfg.block_k, 9.0)
+        return None if us is None else us + (0.5 if cfg.num_warps == 8 else 1.0)
+
+    monkeypatch.setattr(bench_tune, "AXES", {"block_k": (64, 128, 256), "num_warps": (4, 8)})
+    best, us = _walk(KernelConfig(block_k=64, num_warps=4), "one_shot", 1, measure)
+    assert (best.block_k, best.num_warps, us) == (128, 8, 3.5)
