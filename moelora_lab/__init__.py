@@ -9,7 +9,7 @@ from .config import PRESETS, LoRAShape, MoEShape, Problem, make_problem
 from .reference import moe_layer_reference, moe_layer_reference_loop, moe_lora_reference, moe_lora_reference_loop
 from .routing import Alignment, BlockList, align_block_size, block_list, route, use_naive_assignment
 from .dispatch import CONFIGS, KernelConfig
-from .ops import moe_lora
+from .ops import moe_lora, pack_lora_b
 from .align import block_list_device
 from .layer import LayerPlan, moe_lora_layer, plan_layer
 
@@ -18,6 +18,6 @@ __all__ = [
     "PRESETS", "LoRAShape", "MoEShape", "Problem", "make_problem",
     "moe_layer_reference", "moe_layer_reference_loop", "moe_lora_reference", "moe_lora_reference_loop",
     "Alignment", "BlockList", "align_block_size", "block_list", "block_list_device", "route",
-    "use_naive_assignment", "CONFIGS", "KernelConfig", "moe_lora", "LayerPlan", "moe_lora_layer", "plan_layer",
+    "use_naive_assignment", "CONFIGS", "KernelConfig", "moe_lora", "pack_lora_b", "LayerPlan", "moe_lora_layer", "plan_layer",
 ]
 __version__ = "0.1.0"

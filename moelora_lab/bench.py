@@ -91,7 +91,7 @@ def run_kernels(args) -> list[dict]:
                     continue
                 real = choose_path(M * k, E, L, rank) if path == "auto" else path
                 cfg = choose_config(real, M * k, min(M * k, work.touched_adapter_experts or 1), n_out, S,
-                                    x.device).replace(**override)
+                                    x.device, rank=rank).replace(**override)
                 blocks = None if real == "small_batch" else block_list(topk_ids, token_lora, E, L, cfg.block_m)
 
                 def fn():
@@ -244,6 +244,7 @@ def parse_args(argv):
     from . import bench_gemm, bench_tune
     bench_gemm.add_parser(sub, DEFAULT_OUT)
     bench_tune.add_parser(sub, DEFAULT_OUT)
+    bench_tune.add_layout_parser(sub, DEFAULT_OUT)
     args = p.parse_args(argv)
     if args.what == "layer":
         from .bench_layer import VARIANTS
@@ -271,9 +272,9 @@ def main(argv=None) -> int:
     elif args.what == "gemm":
         from .bench_gemm import run_gemm
         rows = run_gemm(args)
-    elif args.what == "tune":
-        from .bench_tune import run_tune
-        rows = run_tune(args)
+    elif args.what in ("tune", "layout"):
+        from .bench_tune import run_layout, run_tune
+        rows = (run_tune if args.what == "tune" else run_layout)(args)
     else:
         rows = run_kernels(args) if args.what == "kernels" else run_registers(args)
     csv_path = args.out / f"{args.name}.csv"

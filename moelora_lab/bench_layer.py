@@ -12,7 +12,8 @@ Routing metadata is built once per case outside the timed region (``plan_layer``
 as ``plan``. Next to the byte floor, ``roofline_us`` is max(byte floor, FLOPs / the bf16 matmul rate
 measured in the same run): past the ridge the layer is compute-bound and the byte floor alone is
 out of reach. Timelines of the sequential and dual-stream layer are captured for ``--trace-tokens``
-x ``--trace-ranks`` and saved to one JSON file.
+x ``--trace-ranks`` and saved to one JSON file. LoRA B is stored N-fastest (``pack_lora_b``), the
+layout the library recommends.
 
 Shape legend: M tokens, E experts, k top-k, L adapters, r rank, H hidden, I expert intermediate.
 """
@@ -26,6 +27,7 @@ import warnings
 import torch
 
 from .bench import device
+from .ops import pack_lora_b
 
 VARIANTS = ("no_lora", "sequential", "dual_stream", "fused", "auto", "sequential_vllm_join",
             "dual_stream_vllm_join", "base_gemms", "grouped_mm", "plan")
@@ -35,8 +37,8 @@ def _weights(shape, L, rank, gen, dtype):
     E, H, I = shape.num_experts, shape.hidden, shape.intermediate
     rnd = lambda *s, fan: torch.randn(*s, device=device(), generator=gen, dtype=dtype) / fan ** 0.5
     lora = dict(w13_lora_a=[rnd(L, E, rank, H, fan=H) for _ in range(2)],
-                w13_lora_b=[rnd(L, E, I, rank, fan=rank) for _ in range(2)],
-                w2_lora_a=[rnd(L, E, rank, I, fan=I)], w2_lora_b=[rnd(L, E, H, rank, fan=rank)])
+                w13_lora_b=pack_lora_b([rnd(L, E, I, rank, fan=rank) for _ in range(2)]),
+                w2_lora_a=[rnd(L, E, rank, I, fan=I)], w2_lora_b=pack_lora_b([rnd(L, E, H, rank, fan=rank)]))
     return lora
 
 

@@ -1,5 +1,6 @@
 """``python -m moelora_lab.bench tune``: a greedy tile search for the LoRA op, the evidence behind
-``dispatch.choose_config``.
+``dispatch.choose_config``; ``python -m moelora_lab.bench layout``: the op with LoRA B in either
+memory order (the evidence behind ``pack_lora_b``).
 
 For each (preset, op, rank, M) case and path it starts from the tiles the rule picks, then walks
 ``AXES`` one at a time: every value of that axis is tried with the others held, the fastest is kept,
@@ -46,6 +47,58 @@ def add_parser(sub, default_out):
     t.add_argument("--max-seconds", type=float, default=1e9, help="stop starting new cases after this long")
     t.add_argument("--out", type=__import__("pathlib").Path, default=default_out)
     t.add_argument("--name", default="lora_tune")
+
+
+def add_layout_parser(sub, default_out):
+    t = sub.add_parser("layout", help="the one-shot op with LoRA B r-fastest (as given) vs N-fastest (packed)")
+    t.add_argument("--presets", nargs="+", default=["qwen3-30b-a3b"])
+    t.add_argument("--tokens", nargs="+", type=int, default=[1, 16, 64, 512, 2048])
+    t.add_argument("--ranks", nargs="+", type=int, default=[16, 64])
+    t.add_argument("--loras", type=int, default=4)
+    t.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--out", type=__import__("pathlib").Path, default=default_out)
+    t.add_argument("--name", default="b_layout")
+
+
+def run_layout(args) -> list[dict]:
+    from .bench import _lora_weights
+    from .config import MoEShape, make_routing
+    from .ops import moe_lora, pack_lora_b
+    from .profile.timing import provenance, time_cuda
+
+    dtype = getattr(torch, args.dtype)
+    prov = provenance("python -m moelora_lab.bench " + " ".join(shlex.quote(a) for a in args.argv))
+    gen = torch.Generator(device=device()).manual_seed(args.seed)
+    rows = []
+    for preset in args.presets:
+        shape = MoEShape.from_name(preset)
+        L, k = args.loras, shape.top_k
+        for rank in args.ranks:
+            for op in ("w13", "w2"):
+                a, b = _lora_weights(shape, op, L, rank, dtype, gen)
+                layouts = {"r_fastest": b, "n_fastest": pack_lora_b(b)}
+                for M in args.tokens:
+                    rt = make_routing(shape, L, M, seed=args.seed + M, num_sequences=min(M, 8))
+                    ids, tw, tl = (rt[n].to(device()) for n in ("topk_ids", "topk_weights", "token_lora"))
+                    x = torch.randn(M if op == "w13" else M * k, a[0].shape[3], device=device(), generator=gen,
+                                    dtype=dtype)
+                    out = torch.zeros(M, k, len(a) * b[0].shape[2], device=device(), dtype=dtype)
+                    want = None
+                    for name, bb in layouts.items():
+                        fn = lambda: moe_lora(x, ids, tw, tl, a, bb, path="auto", mul_routed_weight=op == "w2",
+                                              output=out, add_inputs=False)
+                        got = fn().float().clone()
+                        want = got if want is None else want
+                        if not torch.allclose(got, want, rtol=1e-2, atol=1e-2 * float(want.abs().max())):
+                            raise RuntimeError(f"{op} M={M} r={rank}: the {name} layout changed the result")
+                        t = time_cuda(fn)
+                        rows.append(dict(preset=preset, op=op, M=M, rank=rank, loras=L, dtype=args.dtype,
+                                         b_layout=name, us_median=round(t.median_us, 2), us_p20=round(t.p20_us, 2),
+                                         us_p80=round(t.p80_us, 2), **prov))
+                del a, b, layouts
+                torch.cuda.empty_cache()
+    return rows
 
 
 def _key(cfg) -> tuple:
@@ -106,7 +159,7 @@ def run_tune(args) -> list[dict]:
         traffic = {}
         blocks = {}
         for path in args.paths:
-            rule = choose_config(path, M * k, groups, n_out, S, x.device, k_in=k_in)
+            rule = choose_config(path, M * k, groups, n_out, S, x.device, rank=rank)
             out, want, seen = torch.empty_like(base), None, {}
 
             def measure(cfg, path=path, rule=rule, out=out):

@@ -83,10 +83,19 @@ def num_sms(device: torch.device) -> int:
 #   tensor-core tiles still beat CUDA-core reductions), so ``auto`` never picks it;
 # * the fused kernel needs enough programs: with few blocks, split N into chunks until there are
 #   ~4 programs per SM (each chunk recomputes its shrink, cheap next to the expand at small M).
+# Refined by a greedy tile walk (``python -m moelora_lab.bench tune``, data/h200/lora_tune.csv):
+# * one-shot with a 16- or 32-wide rank tile runs best on 2 warps (4 warps split a 16 x 16 dot
+#   four ways and mostly wait): 5-20% faster at M = 1 .. 2048, rank 16;
+# * a one-shot program of 16 pairs should expand at most ``MAX_EXPAND_COLUMNS`` columns: walking 16
+#   B tiles one after another cost w2 (N = 2048) 20% at M = 512, where recomputing the short shrink
+#   in a second chunk is cheap;
+# * 32-pair blocks stream K in 128-wide steps at rank 16 (64 was 20% slower on w2 at M = 2048).
 TWO_KERNEL_MIN_RANK = 64
 TWO_KERNEL_MIN_PAIRS = 32
 TWO_KERNEL_MAX_PAIRS = 4096
 PROGRAMS_PER_SM = 4
+NARROW_RANK = 32            # rank tiles up to this wide: 2 warps, BLOCK_K 128
+MAX_EXPAND_COLUMNS = 1024
 
 
 def choose_path(num_pairs: int, num_experts: int, num_loras: int, rank: int) -> str:
@@ -99,20 +108,34 @@ def choose_path(num_pairs: int, num_experts: int, num_loras: int, rank: int) -> 
 
 
 def choose_config(path: str, num_pairs: int, num_groups: int, n_out: int, num_slices: int,
-                  device: torch.device, *, k_in: int | None = None) -> KernelConfig:
-    """Tiles for ``path`` given the pairs and the number of (adapter, expert) groups they touch."""
+                  device: torch.device, *, rank: int | None = None) -> KernelConfig:
+    """Tiles for ``path`` given the pairs, the number of (adapter, expert) groups they touch and
+    the rank (``None``: unknown, the tiles that suit every rank)."""
     if INTERPRET:
         return CONFIGS["interpreter"]
+    return gpu_config(path, num_pairs, num_groups, n_out, num_slices, num_sms(device), rank=rank)
+
+
+def gpu_config(path: str, num_pairs: int, num_groups: int, n_out: int, num_slices: int, sms: int, *,
+               rank: int | None = None) -> KernelConfig:
+    """The GPU rule of :func:`choose_config` for a device with ``sms`` SMs (testable without one)."""
     per_group = num_pairs / max(num_groups, 1)
     base = CONFIGS["decode"] if per_group <= 24 else CONFIGS["prefill"]
     block_m = 16 if per_group <= 24 else (32 if per_group <= 48 else 64)
     blocks = max(1, num_pairs // block_m + min(num_groups, num_pairs))
-    target = PROGRAMS_PER_SM * num_sms(device)
+    target = PROGRAMS_PER_SM * sms
     block_n, n_chunks = 128, 1
     want = -(-target // (blocks * num_slices))
-    if want > 1 and path in ("one_shot", "small_batch"):
-        tiles128 = -(-n_out // 128)
-        if want > tiles128:                              # more chunks than 128-wide tiles: go narrower
-            block_n = 64
-        n_chunks = min(want, -(-n_out // block_n))
-    return base.replace(block_m=block_m, block_n=block_n, n_chunks=n_chunks)
+    if path in ("one_shot", "small_batch"):
+        if want > 1:
+            tiles128 = -(-n_out // 128)
+            if want > tiles128:                              # more chunks than 128-wide tiles: go narrower
+                block_n = 64
+            n_chunks = min(want, -(-n_out // block_n))
+        if block_m == 16:
+            n_chunks = max(n_chunks, -(-n_out // MAX_EXPAND_COLUMNS))
+    cfg = base.replace(block_m=block_m, block_n=block_n, n_chunks=n_chunks)
+    narrow = rank is not None and base.replace(block_r=None).rank_tiling(rank)[0] <= NARROW_RANK
+    if narrow and path == "one_shot":
+        cfg = cfg.replace(num_warps=2, block_k=128)
+    return cfg

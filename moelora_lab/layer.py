@@ -166,7 +166,7 @@ def plan_layer(topk_ids, token_lora, num_experts: int, num_loras: int | None, ra
         return LayerPlan(base, None, "in_gemm")
     path = choose_path(P, num_experts, num_loras, rank) if lora_path == "auto" else lora_path
     cfg = choose_config(path, P, min(P, num_loras * num_experts), intermediate or 1, 2,
-                        topk_ids.device)
+                        topk_ids.device, rank=rank)
     return LayerPlan(base, make_blocks(topk_ids, token_lora, num_experts, num_loras, cfg.block_m), path)
 
 

@@ -26,6 +26,21 @@ from .reference import _check_op_inputs, moe_lora_reference
 from .routing import BlockList
 
 
+def pack_lora_b(lora_b):
+    """LoRA B [L, E, N, r] (a tensor or a list of slices) with N fastest in memory: same shape, same values.
+
+    The expand multiplies the rank tile by a [r, BLOCK_N] tile of B. In the usual layout (r fastest)
+    that tile is BLOCK_N runs of r elements (32 bytes at r = 16, bf16); with N fastest it is r runs of
+    BLOCK_N elements, which HBM serves much better (H200, rank 16, bf16: the one-shot op 5-24% faster
+    at M = 16 .. 512). Every path and the layer accept either layout (the kernels take strides);
+    pack once, when the adapter is loaded.
+    """
+    if isinstance(lora_b, (list, tuple)):
+        return type(lora_b)(pack_lora_b(b) for b in lora_b)
+    check_tensor("lora_b", lora_b, ndim=4, legend="[L, E, N, r]")
+    return lora_b.transpose(2, 3).contiguous().transpose(2, 3)
+
+
 def naive_block_list(topk_ids, token_lora, block_m: int) -> BlockList:
     """One block per pair (the naive assignment): row 0 holds the pair, the others are padding."""
     M, k = topk_ids.shape
@@ -198,7 +213,7 @@ def moe_lora(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, *, path: str
         return output.copy_(out32)
 
     if alignment is None and path != "small_batch":
-        cfg = config or choose_config(path, num_pairs, min(num_pairs, L * E), N, S, x.device)
+        cfg = config or choose_config(path, num_pairs, min(num_pairs, L * E), N, S, x.device, rank=R)
         alignment = make_blocks(topk_ids, token_lora, E, L, cfg.block_m)
     run_lora(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, output, alignment, path, config,
              mul_routed_weight=mul_routed_weight, add_inputs=add_inputs, lora_ranks=lora_ranks)
@@ -222,11 +237,11 @@ def run_lora(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, output, bloc
     out2d = output.view(num_pairs, S * N)
     kw = dict(top_k=k, token_rows=token_rows, mul=mul_routed_weight, add=add_inputs, ranks=lora_ranks)
     if path == "small_batch":
-        cfg = config or choose_config(path, num_pairs, num_pairs, N, S, x.device)
+        cfg = config or choose_config(path, num_pairs, num_pairs, N, S, x.device, rank=R)
         _launch_small_batch(x, lora_a, lora_b, out2d, weights, topk_ids.reshape(-1).to(torch.int32).contiguous(),
                             token_lora.to(torch.int32).contiguous(), cfg, **kw)
         return
-    cfg = (config or choose_config(path, num_pairs, min(num_pairs, L * E), N, S, x.device))
+    cfg = config or choose_config(path, num_pairs, min(num_pairs, L * E), N, S, x.device, rank=R)
     cfg = cfg.replace(block_m=blocks.block_size)
     launch = _launch_one_shot if path == "one_shot" else _launch_two_kernel
     launch(x, lora_a, lora_b, out2d, weights, blocks, cfg, **kw)

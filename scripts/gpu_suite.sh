@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Check and measure on a CUDA GPU in one go: the test suite on CUDA, the register report, the
 # kernel sweep. Results go to $OUT (default ./gpu_results). Usage:
-#   bash scripts/gpu_suite.sh [tests] [registers] [tune] [lora-tune] [smoke|kernels] [layer] [align] [gemm]
+#   bash scripts/gpu_suite.sh [tests] [registers] [tune] [lora-tune] [layout] [smoke|kernels] [layer] [align] [gemm]
 set -uo pipefail
 OUT=${OUT:-gpu_results}
 mkdir -p "$OUT"
@@ -21,6 +21,8 @@ for step in "${steps[@]}"; do
     lora-tune)
       $PY -m moelora_lab.bench tune --max-seconds "${TUNE_SECONDS:-480}" --out "$OUT" 2>&1 \
         | grep -v "it/s\]" | tee "$OUT/lora_tune.log" | tail -n 40 ;;
+    layout)
+      $PY -m moelora_lab.bench layout --out "$OUT" 2>&1 | tail -n 3 ;;
     smoke)
       $PY -m moelora_lab.bench kernels --presets qwen3-30b-a3b --tokens 1 32 2048 --ranks 16 256 \
         --out "$OUT" --name smoke --time-alignment 2>&1 | tail -n 5 ;;

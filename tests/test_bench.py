@@ -106,3 +106,11 @@ def test_lora_tile_walk_keeps_the_fastest(monkeypatch):
     monkeypatch.setattr(bench_tune, "AXES", {"block_k": (64, 128, 256), "num_warps": (4, 8)})
     best, us = _walk(KernelConfig(block_k=64, num_warps=4), "one_shot", 1, measure)
     assert (best.block_k, best.num_warps, us) == (128, 8, 3.5)
+
+
+def test_b_layout_pipeline(cpu_bench, tmp_path):
+    assert bench.main(["layout", "--presets", "tiny", "--tokens", "3", "--ranks", "8", "--dtype", "float32",
+                       "--out", str(tmp_path)]) == 0
+    rows = bench.read_csv(tmp_path / "b_layout.csv")
+    assert {(r["op"], r["b_layout"]) for r in rows} == {(op, lay) for op in ("w13", "w2")
+                                                       for lay in ("r_fastest", "n_fastest")}

@@ -35,6 +35,20 @@ def test_layer_matches_reference(device, join):
         close(y, ref, dtype)
 
 
+@pytest.mark.parametrize("schedule", ["sequential", "dual_stream", "fused"])
+def test_layer_with_packed_lora_b(device, schedule):
+    """LoRA B stored N-fastest (pack_lora_b): same values, other strides; every schedule reads it."""
+    for dtype in dtypes(device):
+        p = problem(device, dtype, no_adapter_fraction=0.3, seed=4)
+        inputs = p.layer_inputs()
+        ref = ml.moe_layer_reference(**inputs)
+        packed = {n: ml.pack_lora_b(inputs[n]) for n in ("w13_lora_b", "w2_lora_b")}
+        assert packed["w2_lora_b"][0].stride(2) == 1 and torch.equal(packed["w2_lora_b"][0], inputs["w2_lora_b"][0])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")          # the CPU says dual_stream runs on one stream
+            close(moe_lora_layer(**(inputs | packed), schedule=schedule), ref, dtype)
+
+
 @pytest.mark.parametrize("rank, M, kw", [(8, 9, dict(no_adapter_fraction=0.3)), (5, 20, {}), (16, 1, {})])
 def test_fused_layer_matches_reference(device, rank, M, kw):
     """The LoRA computed inside the grouped GEMMs: no LoRA kernels, no delta buffers, no join."""

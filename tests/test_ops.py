@@ -190,6 +190,33 @@ def test_validation_weights_and_blocks():
         KernelConfig(block_n=48)
 
 
+@pytest.mark.parametrize("path", KERNEL_PATHS + ["naive"])
+@pytest.mark.parametrize("slices", [2, 1])
+def test_packed_lora_b_gives_the_same_delta(device, path, slices):
+    """pack_lora_b changes only B's memory order (N fastest): every path reads it through its strides."""
+    p = lora_case(13, dtype=torch.float32, device=device, seed=7, no_adapter_fraction=0.25)
+    args, mul = (tuple(p.w13_lora_inputs().values()), False) if slices == 2 else (w2_args(p, device, torch.float32), True)
+    ref = ml.moe_lora_reference(*args, mul_routed_weight=mul)
+    packed = ml.pack_lora_b(list(args[5]))
+    assert all(b.stride(2) == 1 and torch.equal(b, b0) for b, b0 in zip(packed, args[5]))
+    M, k, SN = ref.shape
+    out = poisoned((M, k, SN), torch.float32, device)
+    moe_lora(*args[:5], packed, path=path, mul_routed_weight=mul, output=out, add_inputs=False,
+             config=small_tiles(device))
+    has = (p.token_lora >= 0).view(M, 1, 1).expand_as(out)
+    assert_close(out[has], ref[has], torch.float32)
+    assert torch.isnan(out[~has]).all()
+
+
+def test_mixed_slice_layouts_are_rejected():
+    p, kw = _args()
+    mixed = [p.w13_lora_b[0], ml.pack_lora_b(p.w13_lora_b[1])]
+    with pytest.raises(ValueError, match="lora_b: the slices have different memory layouts"):
+        moe_lora(**(kw | dict(lora_b=mixed)))
+    with pytest.raises(ValueError, match="lora_b: expected a 4-D tensor"):
+        ml.pack_lora_b(p.w13_lora_b[0][0])
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")
 def test_bf16_on_the_interpreter_is_computed_in_fp32():
     p = lora_case(5, dtype=torch.bfloat16)
