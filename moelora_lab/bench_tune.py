@@ -64,8 +64,10 @@ def add_layout_parser(sub, default_out):
 def run_layout(args) -> list[dict]:
     from .bench import _lora_weights
     from .config import MoEShape, make_routing
+    from .dispatch import choose_config, choose_path
     from .ops import moe_lora, pack_lora_b
     from .profile.timing import provenance, time_cuda
+    from .routing import block_list
 
     dtype = getattr(torch, args.dtype)
     prov = provenance("python -m moelora_lab.bench " + " ".join(shlex.quote(a) for a in args.argv))
@@ -83,18 +85,22 @@ def run_layout(args) -> list[dict]:
                     ids, tw, tl = (rt[n].to(device()) for n in ("topk_ids", "topk_weights", "token_lora"))
                     x = torch.randn(M if op == "w13" else M * k, a[0].shape[3], device=device(), generator=gen,
                                     dtype=dtype)
-                    out = torch.zeros(M, k, len(a) * b[0].shape[2], device=device(), dtype=dtype)
+                    N, S, P = b[0].shape[2], len(a), M * k
+                    out = torch.zeros(M, k, S * N, device=device(), dtype=dtype)
+                    path = choose_path(P, shape.num_experts, L, rank)
+                    cfg = choose_config(path, P, min(P, L * shape.num_experts), N, S, x.device, rank=rank)
+                    blocks = block_list(ids, tl, shape.num_experts, L, cfg.block_m)    # built once, not timed
                     want = None
                     for name, bb in layouts.items():
-                        fn = lambda: moe_lora(x, ids, tw, tl, a, bb, path="auto", mul_routed_weight=op == "w2",
-                                              output=out, add_inputs=False)
+                        fn = lambda: moe_lora(x, ids, tw, tl, a, bb, path=path, mul_routed_weight=op == "w2",
+                                              output=out, add_inputs=False, alignment=blocks)
                         got = fn().float().clone()
                         want = got if want is None else want
                         if not torch.allclose(got, want, rtol=1e-2, atol=1e-2 * float(want.abs().max())):
                             raise RuntimeError(f"{op} M={M} r={rank}: the {name} layout changed the result")
                         t = time_cuda(fn)
-                        rows.append(dict(preset=preset, op=op, M=M, rank=rank, loras=L, dtype=args.dtype,
-                                         b_layout=name, us_median=round(t.median_us, 2), us_p20=round(t.p20_us, 2),
+                        rows.append(dict(preset=preset, op=op, path=path, M=M, rank=rank, loras=L,
+                                         dtype=args.dtype, b_layout=name, us_median=round(t.median_us, 2), us_p20=round(t.p20_us, 2),
                                          us_p80=round(t.p80_us, 2), **prov))
                 del a, b, layouts
                 torch.cuda.empty_cache()

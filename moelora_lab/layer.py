@@ -50,8 +50,8 @@ from .routing import BlockList, check_routing
 
 SCHEDULES = ("sequential", "dual_stream", "fused", "auto")
 # ``auto`` overlaps the LoRA stream while there are fewer pairs than this many per expert, or from
-# this rank up (H200, qwen3-30b-a3b: dual vs sequential -22% at M = 1, r 16; +1..+5% at M = 16..512,
-# r 16; -2..-5% at M = 16..2048, r 64)
+# this rank up (H200, qwen3-30b-a3b: dual vs sequential -24% at M = 1, r 16; +0..+3% at M = 16..512,
+# r 16; -2..-4% at M = 16..512, r 64)
 DUAL_STREAM_MAX_PAIRS_PER_EXPERT = 1
 DUAL_STREAM_MIN_RANK = 64
 JOINS = ("fold", "vllm")
