@@ -229,6 +229,7 @@ def parse_args(argv):
     y.add_argument("--variants", nargs="+", default=None, help="subset of bench_layer.VARIANTS")
     y.add_argument("--trace-tokens", nargs="+", type=int, default=[16, 2048])
     y.add_argument("--trace-ranks", nargs="+", type=int, default=[16, 64])
+    y.add_argument("--side-priority", choices=["highest", "default"], default="highest")
     y.add_argument("--seed", type=int, default=0)
     y.add_argument("--max-seconds", type=float, default=1e9, help="stop starting new cases after this long")
     y.add_argument("--out", type=Path, default=DEFAULT_OUT)

@@ -13,7 +13,8 @@ as ``plan``. Next to the byte floor, ``roofline_us`` is max(byte floor, FLOPs / 
 measured in the same run): past the ridge the layer is compute-bound and the byte floor alone is
 out of reach. Timelines of the sequential and dual-stream layer are captured for ``--trace-tokens``
 x ``--trace-ranks`` and saved to one JSON file. LoRA B is stored N-fastest (``pack_lora_b``), the
-layout the library recommends.
+layout the library recommends. ``--side-priority default`` runs the side stream at default priority
+instead of the highest (the comparison behind ``layer.aux_stream``).
 
 Shape legend: M tokens, E experts, k top-k, L adapters, r rank, H hidden, I expert intermediate.
 """
@@ -80,7 +81,7 @@ def run_layer(args) -> tuple[list[dict], dict]:
         if not rows or rows[-1]["preset"] != preset:
             w13 = torch.randn(E, 2 * I, H, device=device(), generator=gen, dtype=dtype) / H ** 0.5
             w2 = torch.randn(E, H, I, device=device(), generator=gen, dtype=dtype) / I ** 0.5
-        lora = _weights(shape, L, rank, gen, dtype)
+        lora = dict(_weights(shape, L, rank, gen, dtype), side_priority=args.side_priority)
         rt = make_routing(shape, L, M, seed=args.seed + M, num_sequences=min(M, 8))
         ids, tw, tl = (rt[n].to(device()) for n in ("topk_ids", "topk_weights", "token_lora"))
         x = torch.randn(M, H, device=device(), generator=gen, dtype=dtype)
@@ -131,8 +132,9 @@ def run_layer(args) -> tuple[list[dict], dict]:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", RuntimeWarning)
                     ran = resolve_schedule(name.removesuffix("_vllm_join"), torch.device(device()), num_pairs=M * k,
-                                           num_experts=E, rank=rank, fits=plan_f is not None)
+                                           num_experts=E, fits=plan_f is not None)
             rows.append(dict(preset=preset, M=M, rank=rank, loras=L, variant=name, schedule=ran, lora_path=path,
+                             side_priority=args.side_priority if ran == "dual_stream" else "",
                              us_median=med, us_p20=p20, us_p80=p80, floor_bytes=floor.bytes,
                              floor_us=round(floor.floor_us(copy_bps), 2),
                              roofline_us=round(max(floor.floor_us(copy_bps), floor.flops / flops_per_s * 1e6), 2),

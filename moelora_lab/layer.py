@@ -13,10 +13,15 @@ on one process-wide side stream, forked and joined with CUDA events, so they can
 GEMMs (both launch the same kernels on the same buffers, so their results are bitwise equal);
 ``fused`` computes the LoRA inside the base grouped GEMMs (``kernels/base_moe``: no LoRA launch, no
 delta buffer, no join; for L*r <= ``moe.MAX_FUSED_COLUMNS``); ``auto`` is dual-stream on a GPU
-while there are fewer pairs than experts (the LoRA kernels are short and latency-bound, the base
-GEMMs leave SMs idle) or the rank is at least 64 (enough LoRA work to hide), and sequential
-otherwise: with rank 16 and the tuned base GEMMs streaming weights near the copy rate, a second
-memory-bound kernel next to them mostly takes bandwidth away (H200 data in ``data/h200/layer.csv``).
+while the experts get at most ``DUAL_STREAM_MAX_PAIRS_PER_EXPERT`` pairs each (the LoRA kernels are
+short and latency-bound next to long, bandwidth-bound base GEMMs), and sequential beyond (both are
+long and bandwidth-bound: a second stream only takes bandwidth away; H200 data in
+``data/h200/layer.csv``).
+
+The side stream has the highest priority the device offers (``side_priority="highest"``): the
+block scheduler then places the LoRA kernels' programs ahead of the base GEMM's waiting ones, so the
+short LoRA work finishes early and the long base GEMM absorbs it. At ``"default"`` priority the LoRA
+programs queue behind the base GEMM's, and two streams lost to one at rank 16 from M = 16 to 512.
 
 Joins: ``fold`` (ours) lets the LoRA kernels write their deltas only for pairs with an adapter
 into uninitialised buffers, and the activation and the top-k sum read the delta where the token has
@@ -49,20 +54,23 @@ from .align import make_blocks
 from .routing import BlockList, check_routing
 
 SCHEDULES = ("sequential", "dual_stream", "fused", "auto")
-# ``auto`` overlaps the LoRA stream while there are fewer pairs than this many per expert, or from
-# this rank up (H200, qwen3-30b-a3b: dual vs sequential -24% at M = 1, r 16; +0..+3% at M = 16..512,
-# r 16; -2..-4% at M = 16..512, r 64)
-DUAL_STREAM_MAX_PAIRS_PER_EXPERT = 1
-DUAL_STREAM_MIN_RANK = 64
+# ``auto`` overlaps the LoRA stream up to this many pairs per expert (H200, qwen3-30b-a3b, r 16, two
+# streams over one: -23% at M = 1, -1..-6% at M = 16..512 (32 pairs per expert), +6% at M = 2048;
+# r 64: -25%, -3..-8%, +3%)
+DUAL_STREAM_MAX_PAIRS_PER_EXPERT = 32
 JOINS = ("fold", "vllm")
+SIDE_PRIORITIES = ("highest", "default")
 _AUX_STREAMS: dict = {}
 
 
-def aux_stream(device: torch.device) -> "torch.cuda.Stream":
-    """The one side stream of this process for ``device`` (one is enough: more would only compete)."""
-    key = torch.device(device).index or 0
+def aux_stream(device: torch.device, priority: str = "highest") -> "torch.cuda.Stream":
+    """The side stream of this process for ``device`` and ``priority`` (one of ``SIDE_PRIORITIES``;
+    one stream is enough: more would only compete)."""
+    check_choice("side_priority", priority, SIDE_PRIORITIES)
+    key = (torch.device(device).index or 0, priority)
     if key not in _AUX_STREAMS:
-        _AUX_STREAMS[key] = torch.cuda.Stream(device=device)
+        least, highest = torch.cuda.Stream.priority_range()
+        _AUX_STREAMS[key] = torch.cuda.Stream(device=device, priority=highest if priority == "highest" else least)
     return _AUX_STREAMS[key]
 
 
@@ -80,15 +88,15 @@ def _fused(schedule: str, fits: bool) -> bool:
 
 
 def resolve_schedule(schedule: str, device: torch.device, *, num_pairs: int = 0, num_experts: int = 1,
-                     rank: int = 0, fits: bool = False) -> str:
+                     fits: bool = False) -> str:
     """The schedule a call really runs (``fits``: :func:`fused_fits` for the layer's LoRA)."""
     check_choice("schedule", schedule, SCHEDULES)
     if _fused(schedule, fits):
         return "fused"
     gpu = device.type == "cuda" and not INTERPRET
     if schedule == "auto":
-        few = num_pairs < DUAL_STREAM_MAX_PAIRS_PER_EXPERT * num_experts
-        return "dual_stream" if gpu and (few or rank >= DUAL_STREAM_MIN_RANK) else "sequential"
+        few = num_pairs <= DUAL_STREAM_MAX_PAIRS_PER_EXPERT * num_experts
+        return "dual_stream" if gpu and few else "sequential"
     if schedule == "dual_stream" and not gpu:
         warnings.warn("schedule='dual_stream' needs CUDA streams; on the CPU the layer runs sequentially "
                       "(same kernels, same results)", RuntimeWarning, stacklevel=3)
@@ -101,10 +109,10 @@ class _Streams:
     enqueuing the base GEMM, so both can start together); ``side(name, fork)`` runs work on the side
     stream after that point; ``join()`` makes the main stream wait for it."""
 
-    def __init__(self, dual: bool, device, tracer=None):
+    def __init__(self, dual: bool, device, tracer=None, priority: str = "highest"):
         self.dual, self.tracer = dual, tracer
         self.main = torch.cuda.current_stream(device) if dual else None
-        self.aux = aux_stream(device) if dual else None
+        self.aux = aux_stream(device, priority) if dual else None
 
     def fork(self):
         if not self.dual:
@@ -173,7 +181,7 @@ def plan_layer(topk_ids, token_lora, num_experts: int, num_loras: int | None, ra
 def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=None, w13_lora_b=None,
                    w2_lora_a=None, w2_lora_b=None, *, schedule: str = "auto", join: str = "fold",
                    lora_path: str = "auto", plan: LayerPlan | None = None, tracer=None,
-                   lora_ranks: torch.Tensor | None = None) -> torch.Tensor:
+                   lora_ranks: torch.Tensor | None = None, side_priority: str = "highest") -> torch.Tensor:
     """One MoE layer with LoRA on w13 (2 slices) and w2 (1 slice): y [M, H] in x's dtype.
 
     ``schedule``: 'sequential', 'dual_stream', 'fused' or 'auto' (see the module docstring); ``join``:
@@ -181,9 +189,11 @@ def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=No
     ``plan`` (from :func:`plan_layer`) skips the
     routing-metadata work and the id-range checks (which synchronise with the GPU); ``tracer``
     (see ``profile.timeline``) records per-stream intervals of every stage. ``lora_ranks`` [L]: the
-    actual rank of each slot, as in :func:`moelora_lab.moe_lora`.
+    actual rank of each slot, as in :func:`moelora_lab.moe_lora`. ``side_priority``: 'highest' or
+    'default', the priority of the side stream when two streams run.
     """
     E, H, I = _check_layer(x, topk_ids, w13, w2)
+    check_choice("side_priority", side_priority, SIDE_PRIORITIES)
     check_tensor("w13", w13, dtypes=(x.dtype,), legend="[E, 2I, H] in x's dtype")
     check_tensor("w2", w2, dtypes=(x.dtype,), legend="[E, H, I] in x's dtype")
     check_choice("join", join, JOINS)
@@ -217,7 +227,7 @@ def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=No
     M, k = topk_ids.shape
     P = M * k
     fits = with_lora and fused_fits(L, r)
-    run = (resolve_schedule(schedule, x.device, num_pairs=P, num_experts=E, rank=r, fits=fits) if with_lora
+    run = (resolve_schedule(schedule, x.device, num_pairs=P, num_experts=E, fits=fits) if with_lora
            else "sequential")
     if plan is not None and with_lora and (plan.lora_blocks is None) != (run == "fused"):
         raise TypeError(f"plan: made for another schedule than this call's ({run!r}); pass plan_layer(..., "
@@ -240,7 +250,7 @@ def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=No
                             lora2=GemmLoRA(token_lora, w2_lora_a, w2_lora_b, lora_ranks), tracer=tracer)
     tiles = gemm_tiles(P, E)
     base_blocks, lora_blocks, path = plan.base_blocks, plan.lora_blocks, plan.lora_path
-    streams = _Streams(dual, x.device, tracer)
+    streams = _Streams(dual, x.device, tracer, side_priority)
     c1, h, c3, y = _buffers(x, M, k, H, I)
     d13 = d2 = None
     if with_lora:

@@ -52,6 +52,7 @@ def test_layer_pipeline(cpu_bench, tmp_path):
     ran = {r["variant"]: r["schedule"] for r in rows}
     assert ran["auto"] == ran["dual_stream_vllm_join"] == "sequential" and ran["fused"] == "fused"   # CPU: one stream
     assert ran["no_lora"] == ""
+    assert {r["side_priority"] for r in rows if r["schedule"] != "dual_stream"} == {""}   # CPU: no side stream
     assert all(r["roofline_us"] >= r["floor_us"] > 0 for r in rows) and (tmp_path / "layer_tiny.png").exists()
     assert not (tmp_path / "layer_traces.json").exists()      # timelines need CUDA events: none on the CPU
 
