@@ -84,7 +84,7 @@ def num_sms(device: torch.device) -> int:
 # * the fused kernel needs enough programs: with few blocks, split N into chunks until there are
 #   ~4 programs per SM (each chunk recomputes its shrink, cheap next to the expand at small M).
 # Refined by a greedy tile walk (``python -m moelora_lab.bench tune``, data/h200/lora_tune.csv):
-# * one-shot with a 16- or 32-wide rank tile runs best on 2 warps (4 warps split a 16 x 16 dot
+# * one-shot with a 16-wide rank tile (r <= 16) runs best on 2 warps (4 warps split a 16 x 16 dot
 #   four ways and mostly wait): 5-20% faster at M = 1 .. 2048, rank 16;
 # * a one-shot program of 16 pairs should expand at most ``MAX_EXPAND_COLUMNS`` columns: walking 16
 #   B tiles one after another cost w2 (N = 2048) 20% at M = 512, where recomputing the short shrink
@@ -95,7 +95,7 @@ TWO_KERNEL_MIN_RANK = 64
 TWO_KERNEL_MIN_PAIRS = 32
 TWO_KERNEL_MAX_PAIRS = 4096
 PROGRAMS_PER_SM = 4
-NARROW_RANK = 32            # rank tiles up to this wide: 2 warps, BLOCK_K 128
+NARROW_RANK = 16            # rank tiles up to this wide: 2 warps, BLOCK_K 128 (measured at r 16 only)
 MAX_EXPAND_COLUMNS = 1024
 
 

@@ -249,3 +249,17 @@ def test_actual_adapter_ranks_skip_the_padding(device, path):
     assert_close(out[rows], ref[rows], p.x.dtype)
     with pytest.raises(ValueError, match="lora_ranks: value 49 is out of range; accepted values are 0 .. 48"):
         moe_lora(*args, lora_ranks=torch.tensor([4, 49, 0], device=device))
+
+
+def test_gpu_tile_rule_for_narrow_ranks():
+    """dispatch.gpu_config (the GPU rule, testable without a GPU): 2 warps and BLOCK_K 128 for the
+    one-shot kernel with a 16-wide rank tile only; a 16-pair program expands at most 1024 columns."""
+    from moelora_lab.dispatch import MAX_EXPAND_COLUMNS, gpu_config
+    for rank, warps in ((8, 2), (16, 2), (32, 4), (64, 4), (None, 4)):
+        assert gpu_config("one_shot", 4096, 512, 2048, 1, 132, rank=rank).num_warps == warps, rank
+    assert gpu_config("two_kernel", 4096, 512, 2048, 1, 132, rank=16).num_warps == 4
+    for n_out in (768, 2048, 5000):
+        cfg = gpu_config("one_shot", 4096, 512, n_out, 1, 132, rank=16)
+        assert cfg.block_m == 16 and cfg.n_chunks >= -(-n_out // MAX_EXPAND_COLUMNS)
+    prefill = gpu_config("one_shot", 16384, 512, 2048, 1, 132, rank=16)
+    assert (prefill.block_m, prefill.block_k, prefill.n_chunks) == (32, 128, 1)
