@@ -195,24 +195,41 @@ def read_csv(path) -> list[dict]:
         return [{k: conv(v) for k, v in row.items()} for row in csv.DictReader(f)]
 
 
+def sweep_parser(sub, what: str, help: str, *, name: str, tokens, presets=("qwen3-30b-a3b",), ranks=None,
+                 dtype: bool = True, max_seconds: bool = False):
+    """A subcommand with the arguments every sweep shares: presets, tokens, (ranks), adapters, (dtype),
+    seed, (a time budget), output folder and file stem."""
+    p = sub.add_parser(what, help=help)
+    p.add_argument("--presets", nargs="+", default=list(presets))
+    p.add_argument("--tokens", nargs="+", type=int, default=list(tokens))
+    if ranks is not None:
+        p.add_argument("--ranks", nargs="+", type=int, default=list(ranks))
+    p.add_argument("--loras", type=int, default=4)
+    if dtype:
+        p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    p.add_argument("--seed", type=int, default=0)
+    if max_seconds:
+        p.add_argument("--max-seconds", type=float, default=1e9, help="stop starting new cases after this long")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--name", default=name, help="file stem of the CSV and plots")
+    return p
+
+
 def parse_args(argv):
+    from . import bench_gemm, bench_tune
+    from .layer import SIDE_PRIORITIES
+
     p = argparse.ArgumentParser(prog="python -m moelora_lab.bench", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="what", required=True)
-    k = sub.add_parser("kernels", help="LoRA op paths x presets x M x rank")
-    k.add_argument("--presets", nargs="+", default=["qwen3-30b-a3b", "deepseek-v2-lite"])
+    k = sweep_parser(sub, "kernels", "LoRA op paths x presets x M x rank", name="kernels",
+                     presets=("qwen3-30b-a3b", "deepseek-v2-lite"), tokens=(1, 8, 32, 128, 512, 2048, 8192),
+                     ranks=(16, 64, 128, 256))
     k.add_argument("--ops", nargs="+", choices=["w13", "w2"], default=["w13", "w2"])
-    k.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 32, 128, 512, 2048, 8192])
-    k.add_argument("--ranks", nargs="+", type=int, default=[16, 64, 128, 256])
     k.add_argument("--paths", nargs="+", choices=KERNEL_PATHS, default=list(KERNEL_PATHS))
-    k.add_argument("--loras", type=int, default=4)
-    k.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     k.add_argument("--small-batch-max-tokens", type=int, default=512,
                    help="skip the per-pair kernel above this M (it re-reads weights per pair)")
     k.add_argument("--time-alignment", action="store_true", help="also time block_list() per case")
     k.add_argument("--tune", action="store_true", help="time a grid of one-shot / two-kernel tiles per case")
-    k.add_argument("--seed", type=int, default=0)
-    k.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    k.add_argument("--name", default="kernels", help="file stem of the CSV and plots")
     g = sub.add_parser("registers", help="registers / spills / occupancy of the one-shot kernel vs rank")
     g.add_argument("--ranks", nargs="+", type=int, default=[16, 32, 64, 128, 192, 256, 512])
     g.add_argument("--block-m", nargs="+", type=int, default=[16, 64])
@@ -220,32 +237,18 @@ def parse_args(argv):
                    help="widest rank tile; 512 means one tile up to r = 512 (no rank tiling)")
     g.add_argument("--out", type=Path, default=DEFAULT_OUT)
     g.add_argument("--name", default="registers")
-    y = sub.add_parser("layer", help="the MoE layer: no LoRA, sequential, dual stream, join variants; timelines")
-    y.add_argument("--presets", nargs="+", default=["qwen3-30b-a3b"])
-    y.add_argument("--tokens", nargs="+", type=int, default=[1, 16, 64, 128, 512, 2048, 8192])
-    y.add_argument("--ranks", nargs="+", type=int, default=[16, 64])
-    y.add_argument("--loras", type=int, default=4)
-    y.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    y = sweep_parser(sub, "layer", "the MoE layer: no LoRA, sequential, dual stream, join variants; timelines",
+                     name="layer", tokens=(1, 16, 64, 128, 512, 2048, 8192), ranks=(16, 64), max_seconds=True)
     y.add_argument("--variants", nargs="+", default=None, help="subset of bench_layer.VARIANTS")
     y.add_argument("--trace-tokens", nargs="+", type=int, default=[16, 2048])
     y.add_argument("--trace-ranks", nargs="+", type=int, default=[16, 64])
-    y.add_argument("--side-priority", choices=["highest", "default"], default="highest")
-    y.add_argument("--seed", type=int, default=0)
-    y.add_argument("--max-seconds", type=float, default=1e9, help="stop starting new cases after this long")
-    y.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    y.add_argument("--name", default="layer")
-    a = sub.add_parser("align", help="routing metadata: PyTorch ops vs device kernels")
-    a.add_argument("--presets", nargs="+", default=["qwen3-30b-a3b", "deepseek-v2-lite"])
-    a.add_argument("--tokens", nargs="+", type=int, default=[1, 16, 128, 512, 2048, 8192])
-    a.add_argument("--loras", type=int, default=4)
+    y.add_argument("--side-priority", choices=SIDE_PRIORITIES, default=SIDE_PRIORITIES[0])
+    a = sweep_parser(sub, "align", "routing metadata: PyTorch ops vs device kernels", name="align",
+                     presets=("qwen3-30b-a3b", "deepseek-v2-lite"), tokens=(1, 16, 128, 512, 2048, 8192), dtype=False)
     a.add_argument("--block-size", type=int, default=16)
-    a.add_argument("--seed", type=int, default=0)
-    a.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    a.add_argument("--name", default="align")
-    from . import bench_gemm, bench_tune
-    bench_gemm.add_parser(sub, DEFAULT_OUT)
-    bench_tune.add_parser(sub, DEFAULT_OUT)
-    bench_tune.add_layout_parser(sub, DEFAULT_OUT)
+    bench_gemm.add_parser(sub)
+    bench_tune.add_parser(sub)
+    bench_tune.add_layout_parser(sub)
     args = p.parse_args(argv)
     if args.what == "layer":
         from .bench_layer import VARIANTS

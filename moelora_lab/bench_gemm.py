@@ -24,18 +24,12 @@ TILE_GRID = ((32, 128, 4, 4), (32, 256, 3, 4), (64, 128, 4, 4), (64, 256, 3, 4),
              (256, 64, 4, 8), (256, 128, 3, 8))
 
 
-def add_parser(sub, default_out):
-    g = sub.add_parser("gemm", help="tile grid of the base grouped GEMM, with and without the in-GEMM LoRA")
-    g.add_argument("--presets", nargs="+", default=["qwen3-30b-a3b"])
-    g.add_argument("--tokens", nargs="+", type=int, default=[1, 16, 64, 128, 512, 2048, 8192])
+def add_parser(sub):
+    from .bench import sweep_parser
+    g = sweep_parser(sub, "gemm", "tile grid of the base grouped GEMM, with and without the in-GEMM LoRA",
+                     name="gemm_tune", tokens=(1, 16, 64, 128, 512, 2048, 8192), max_seconds=True)
     g.add_argument("--lora-rank", type=int, default=16, help="rank of the in-GEMM LoRA rows (0: none)")
     g.add_argument("--lora-max-tokens", type=int, default=128, help="time the in-GEMM LoRA up to this M")
-    g.add_argument("--loras", type=int, default=4)
-    g.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--max-seconds", type=float, default=1e9, help="stop starting new cases after this long")
-    g.add_argument("--out", type=__import__("pathlib").Path, default=default_out)
-    g.add_argument("--name", default="gemm_tune")
 
 
 def _tiles_for(per_expert: float, default: dict) -> list[dict]:

@@ -33,32 +33,19 @@ AXES = {
 TILE_FIELDS = ("block_m", "block_n", "block_k", "n_chunks", "num_warps", "num_stages")
 
 
-def add_parser(sub, default_out):
-    t = sub.add_parser("tune", help="greedy tile search of the LoRA op (one-shot and two-kernel)")
-    t.add_argument("--presets", nargs="+", default=["qwen3-30b-a3b"])
+def add_parser(sub):
+    from .bench import sweep_parser
+    t = sweep_parser(sub, "tune", "greedy tile search of the LoRA op (one-shot and two-kernel)", name="lora_tune",
+                     tokens=(16, 64, 512, 128, 1, 2048), ranks=(16, 64), max_seconds=True)
     t.add_argument("--ops", nargs="+", choices=["w13", "w2"], default=["w13", "w2"])
-    t.add_argument("--tokens", nargs="+", type=int, default=[16, 64, 512, 128, 1, 2048])
-    t.add_argument("--ranks", nargs="+", type=int, default=[16, 64])
     t.add_argument("--paths", nargs="+", choices=["one_shot", "two_kernel"], default=["one_shot", "two_kernel"])
     t.add_argument("--passes", type=int, default=1, help="walks over all axes per case")
-    t.add_argument("--loras", type=int, default=4)
-    t.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--max-seconds", type=float, default=1e9, help="stop starting new cases after this long")
-    t.add_argument("--out", type=__import__("pathlib").Path, default=default_out)
-    t.add_argument("--name", default="lora_tune")
 
 
-def add_layout_parser(sub, default_out):
-    t = sub.add_parser("layout", help="the one-shot op with LoRA B r-fastest (as given) vs N-fastest (packed)")
-    t.add_argument("--presets", nargs="+", default=["qwen3-30b-a3b"])
-    t.add_argument("--tokens", nargs="+", type=int, default=[1, 16, 64, 512, 2048])
-    t.add_argument("--ranks", nargs="+", type=int, default=[16, 64])
-    t.add_argument("--loras", type=int, default=4)
-    t.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--out", type=__import__("pathlib").Path, default=default_out)
-    t.add_argument("--name", default="b_layout")
+def add_layout_parser(sub):
+    from .bench import sweep_parser
+    sweep_parser(sub, "layout", "the one-shot op with LoRA B r-fastest (as given) vs N-fastest (packed)",
+                 name="b_layout", tokens=(1, 16, 64, 512, 2048), ranks=(16, 64))
 
 
 def run_layout(args) -> list[dict]:
