@@ -137,11 +137,11 @@ def run_tune(args) -> list[dict]:
             break
         shape = MoEShape.from_name(preset)
         L, E, k = args.loras, shape.num_experts, shape.top_k
-        if (preset, rank, op) not in weights:
+        if (preset, rank) not in weights:          # both ops' weights for one (preset, rank), made once
             weights.clear()
             torch.cuda.empty_cache()
-            weights[(preset, rank, op)] = _lora_weights(shape, op, L, rank, dtype, gen)
-        lora_a, lora_b = weights[(preset, rank, op)]
+            weights[preset, rank] = {o: _lora_weights(shape, o, L, rank, dtype, gen) for o in args.ops}
+        lora_a, lora_b = weights[preset, rank][op]
         k_in, n_out, S = lora_a[0].shape[3], lora_b[0].shape[2], len(lora_a)
         rt = make_routing(shape, L, M, seed=args.seed + M, num_sequences=min(M, 8))
         ids, tw, tl = (rt[n].to(device()) for n in ("topk_ids", "topk_weights", "token_lora"))

@@ -136,7 +136,7 @@ def gpu_config(path: str, num_pairs: int, num_groups: int, n_out: int, num_slice
         if block_m == 16:
             n_chunks = max(n_chunks, -(-n_out // MAX_EXPAND_COLUMNS))
     cfg = base.replace(block_m=block_m, block_n=block_n, n_chunks=n_chunks)
-    narrow = rank is not None and base.replace(block_r=None).rank_tiling(rank)[0] <= NARROW_RANK
+    narrow = rank is not None and cfg.rank_tiling(rank)[0] <= NARROW_RANK
     if narrow and path == "one_shot":
         cfg = cfg.replace(num_warps=2, block_k=128)
     return cfg
