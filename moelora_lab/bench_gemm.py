@@ -49,7 +49,7 @@ def run_gemm(args) -> list[dict]:
 
     from .align import make_blocks
     from .bench import write_csv
-    from .bench_layer import _grouped_mm_fns, _weights
+    from .bench_layer import _grouped_mm_fns, layer_lora_weights
     from .config import MoEShape, make_routing
     from .moe import GemmLoRA, gemm_tiles, moe_gemm
     from .profile.timing import provenance, time_cuda
@@ -63,7 +63,7 @@ def run_gemm(args) -> list[dict]:
         E, H, I, k, L = shape.num_experts, shape.hidden, shape.intermediate, shape.top_k, args.loras
         w13 = torch.randn(E, 2 * I, H, device=device(), generator=gen, dtype=dtype) / H ** 0.5
         w2 = torch.randn(E, H, I, device=device(), generator=gen, dtype=dtype) / I ** 0.5
-        lora = _weights(shape, L, max(args.lora_rank, 1), gen, dtype)
+        lora = layer_lora_weights(shape, L, max(args.lora_rank, 1), gen, dtype)
         for M in tqdm(args.tokens, desc=f"gemm {preset}", unit="M"):
             if time.monotonic() - start > args.max_seconds:
                 print(f"time budget of {args.max_seconds} s spent: skipping M={M} and up", file=sys.stderr)

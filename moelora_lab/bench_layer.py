@@ -27,20 +27,20 @@ import warnings
 
 import torch
 
-from .bench import device
+from .bench import _lora_weights, device
 from .ops import pack_lora_b
 
 VARIANTS = ("no_lora", "sequential", "dual_stream", "fused", "auto", "sequential_vllm_join",
             "dual_stream_vllm_join", "base_gemms", "grouped_mm", "plan")
 
 
-def _weights(shape, L, rank, gen, dtype):
-    E, H, I = shape.num_experts, shape.hidden, shape.intermediate
-    rnd = lambda *s, fan: torch.randn(*s, device=device(), generator=gen, dtype=dtype) / fan ** 0.5
-    lora = dict(w13_lora_a=[rnd(L, E, rank, H, fan=H) for _ in range(2)],
-                w13_lora_b=pack_lora_b([rnd(L, E, I, rank, fan=rank) for _ in range(2)]),
-                w2_lora_a=[rnd(L, E, rank, I, fan=I)], w2_lora_b=pack_lora_b([rnd(L, E, H, rank, fan=rank)]))
-    return lora
+def layer_lora_weights(shape, L, rank, gen, dtype) -> dict:
+    """Random LoRA weights of one layer as ``moe_lora_layer`` takes them (w13 and w2, B packed N-fastest)."""
+    out = {}
+    for op in ("w13", "w2"):
+        a, b = _lora_weights(shape, op, L, rank, dtype, gen)
+        out[f"{op}_lora_a"], out[f"{op}_lora_b"] = a, pack_lora_b(b)
+    return out
 
 
 def _grouped_mm_fns(x, h, topk_ids, w13, w2):
@@ -81,7 +81,7 @@ def run_layer(args) -> tuple[list[dict], dict]:
         if not rows or rows[-1]["preset"] != preset:
             w13 = torch.randn(E, 2 * I, H, device=device(), generator=gen, dtype=dtype) / H ** 0.5
             w2 = torch.randn(E, H, I, device=device(), generator=gen, dtype=dtype) / I ** 0.5
-        lora = dict(_weights(shape, L, rank, gen, dtype), side_priority=args.side_priority)
+        lora = dict(layer_lora_weights(shape, L, rank, gen, dtype), side_priority=args.side_priority)
         rt = make_routing(shape, L, M, seed=args.seed + M, num_sequences=min(M, 8))
         ids, tw, tl = (rt[n].to(device()) for n in ("topk_ids", "topk_weights", "token_lora"))
         x = torch.randn(M, H, device=device(), generator=gen, dtype=dtype)
