@@ -26,6 +26,13 @@ def device() -> str:
 KERNEL_PATHS = ("two_kernel", "one_shot", "small_batch", "auto")
 
 
+def sweep_routing(shape, num_loras: int, M: int, seed: int):
+    """(topk_ids, topk_weights, token_lora) of the benchmarks' M tokens: min(M, 8) sequences, seed + M."""
+    from .config import make_routing
+    r = make_routing(shape, num_loras, M, seed=seed + M, num_sequences=min(M, 8))
+    return tuple(r[n].to(device()) for n in ("topk_ids", "topk_weights", "token_lora"))
+
+
 def _lora_weights(shape, op, num_loras, rank, dtype, gen):
     """Random A [L, E, r, K] and B [L, E, N, r] for the w13 (2 slices) or w2 (1 slice) op, on the GPU."""
     H, I, E = shape.hidden, shape.intermediate, shape.num_experts
@@ -57,7 +64,6 @@ def _kernel_cases(args):
 def run_kernels(args) -> list[dict]:
     from tqdm.auto import tqdm
 
-    from .config import make_routing
     from .dispatch import choose_config, choose_path
     from .ops import moe_lora
     from .profile.timing import copy_bandwidth, provenance, time_cuda
@@ -79,8 +85,7 @@ def run_kernels(args) -> list[dict]:
         k_in, n_out, S = lora_a[0].shape[3], lora_b[0].shape[2], len(lora_a)
         for M in args.tokens:
             bar.update()
-            r = make_routing(shape, L, M, seed=args.seed + M, num_sequences=min(M, 8))
-            topk_ids, topk_w, token_lora = (r[n].to(device()) for n in ("topk_ids", "topk_weights", "token_lora"))
+            topk_ids, topk_w, token_lora = sweep_routing(shape, L, M, args.seed)
             rows_in = M if op == "w13" else M * k
             x = torch.randn(rows_in, k_in, device=device(), generator=gen, dtype=dtype)
             out = torch.randn(M, k, S * n_out, device=device(), generator=gen, dtype=dtype)
@@ -151,7 +156,7 @@ def run_registers(args) -> list[dict]:
 def run_align(args) -> list[dict]:
     """Routing metadata: the PyTorch spec (``block_list``) against the device kernels."""
     from .align import block_list_device
-    from .config import MoEShape, make_routing
+    from .config import MoEShape
     from .profile.timing import provenance, time_cuda
     from .routing import block_list
 
@@ -160,8 +165,7 @@ def run_align(args) -> list[dict]:
     for preset in args.presets:
         shape = MoEShape.from_name(preset)
         for M in args.tokens:
-            r = make_routing(shape, args.loras, M, seed=args.seed + M, num_sequences=min(M, 8))
-            ids, lora = r["topk_ids"].to(device()), r["token_lora"].to(device())
+            ids, _, lora = sweep_routing(shape, args.loras, M, args.seed)
             E, L, bs = shape.num_experts, args.loras, args.block_size
             fns = {"torch_ops": lambda: block_list(ids, lora, E, L, bs),
                    "triton_kernels": lambda: block_list_device(ids, lora, E, L, bs, validate=False)}
@@ -197,8 +201,7 @@ def read_csv(path) -> list[dict]:
 
 def sweep_parser(sub, what: str, help: str, *, name: str, tokens, presets=("qwen3-30b-a3b",), ranks=None,
                  dtype: bool = True, max_seconds: bool = False):
-    """A subcommand with the arguments every sweep shares: presets, tokens, (ranks), adapters, (dtype),
-    seed, (a time budget), output folder and file stem."""
+    """A subcommand with the arguments every sweep shares (ranks, dtype, time budget optional)."""
     p = sub.add_parser(what, help=help)
     p.add_argument("--presets", nargs="+", default=list(presets))
     p.add_argument("--tokens", nargs="+", type=int, default=list(tokens))

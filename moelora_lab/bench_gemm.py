@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from .bench import device
+from .bench import device, sweep_routing
 
 # (BLOCK_N, BLOCK_K, num_stages, num_warps): a curated grid, GROUP_M 1 and 8 on top
 TILE_GRID = ((32, 128, 4, 4), (32, 256, 3, 4), (64, 128, 4, 4), (64, 256, 3, 4), (64, 64, 5, 4),
@@ -50,7 +50,7 @@ def run_gemm(args) -> list[dict]:
     from .align import make_blocks
     from .bench import write_csv
     from .bench_layer import _grouped_mm_fns, layer_lora_weights
-    from .config import MoEShape, make_routing
+    from .config import MoEShape
     from .moe import GemmLoRA, gemm_tiles, moe_gemm
     from .profile.timing import provenance, time_cuda
 
@@ -68,8 +68,7 @@ def run_gemm(args) -> list[dict]:
             if time.monotonic() - start > args.max_seconds:
                 print(f"time budget of {args.max_seconds} s spent: skipping M={M} and up", file=sys.stderr)
                 break
-            rt = make_routing(shape, L, M, seed=args.seed + M, num_sequences=min(M, 8))
-            ids, tw, tl = (rt[n].to(device()) for n in ("topk_ids", "topk_weights", "token_lora"))
+            ids, tw, tl = sweep_routing(shape, L, M, args.seed)
             P, tl32, wflat = M * k, tl.to(torch.int32), tw.reshape(-1).float().contiguous()
             x = torch.randn(M, H, device=device(), generator=gen, dtype=dtype)
             h = torch.randn(P, I, device=device(), generator=gen, dtype=dtype)

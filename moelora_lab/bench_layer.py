@@ -27,7 +27,7 @@ import warnings
 
 import torch
 
-from .bench import _lora_weights, device
+from .bench import _lora_weights, device, sweep_routing
 from .ops import pack_lora_b
 
 VARIANTS = ("no_lora", "sequential", "dual_stream", "fused", "auto", "sequential_vllm_join",
@@ -58,7 +58,7 @@ def _grouped_mm_fns(x, h, topk_ids, w13, w2):
 def run_layer(args) -> tuple[list[dict], dict]:
     from tqdm.auto import tqdm
 
-    from .config import MoEShape, make_routing
+    from .config import MoEShape
     from .layer import fused_fits, moe_lora_layer, plan_layer, resolve_schedule
     from .moe import gemm_tiles, moe_gemm
     from .profile.timeline import capture_timeline, overlap_metrics
@@ -82,8 +82,7 @@ def run_layer(args) -> tuple[list[dict], dict]:
             w13 = torch.randn(E, 2 * I, H, device=device(), generator=gen, dtype=dtype) / H ** 0.5
             w2 = torch.randn(E, H, I, device=device(), generator=gen, dtype=dtype) / I ** 0.5
         lora = dict(layer_lora_weights(shape, L, rank, gen, dtype), side_priority=args.side_priority)
-        rt = make_routing(shape, L, M, seed=args.seed + M, num_sequences=min(M, 8))
-        ids, tw, tl = (rt[n].to(device()) for n in ("topk_ids", "topk_weights", "token_lora"))
+        ids, tw, tl = sweep_routing(shape, L, M, args.seed)
         x = torch.randn(M, H, device=device(), generator=gen, dtype=dtype)
         plan_l = plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I, schedule="sequential")
         plan_f = plan_layer(ids, tl, E, L, rank, schedule="fused") if fused_fits(L, rank) else None

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from .bench import device
+from .bench import device, sweep_routing
 
 # KernelConfig fields and the values the walk tries (n_chunks only matters to the one-shot kernel)
 AXES = {
@@ -50,7 +50,7 @@ def add_layout_parser(sub):
 
 def run_layout(args) -> list[dict]:
     from .bench import _lora_weights
-    from .config import MoEShape, make_routing
+    from .config import MoEShape
     from .dispatch import choose_config, choose_path
     from .ops import moe_lora, pack_lora_b
     from .profile.timing import provenance, time_cuda
@@ -68,8 +68,7 @@ def run_layout(args) -> list[dict]:
                 a, b = _lora_weights(shape, op, L, rank, dtype, gen)
                 layouts = {"r_fastest": b, "n_fastest": pack_lora_b(b)}
                 for M in args.tokens:
-                    rt = make_routing(shape, L, M, seed=args.seed + M, num_sequences=min(M, 8))
-                    ids, tw, tl = (rt[n].to(device()) for n in ("topk_ids", "topk_weights", "token_lora"))
+                    ids, tw, tl = sweep_routing(shape, L, M, args.seed)
                     x = torch.randn(M if op == "w13" else M * k, a[0].shape[3], device=device(), generator=gen,
                                     dtype=dtype)
                     N, S, P = b[0].shape[2], len(a), M * k
@@ -117,7 +116,7 @@ def run_tune(args) -> list[dict]:
     from tqdm.auto import tqdm
 
     from .bench import _lora_weights, write_csv
-    from .config import MoEShape, make_routing
+    from .config import MoEShape
     from .dispatch import choose_config
     from .ops import moe_lora
     from .profile.timing import copy_bandwidth, provenance, time_cuda
@@ -143,8 +142,7 @@ def run_tune(args) -> list[dict]:
             weights[preset, rank] = {o: _lora_weights(shape, o, L, rank, dtype, gen) for o in args.ops}
         lora_a, lora_b = weights[preset, rank][op]
         k_in, n_out, S = lora_a[0].shape[3], lora_b[0].shape[2], len(lora_a)
-        rt = make_routing(shape, L, M, seed=args.seed + M, num_sequences=min(M, 8))
-        ids, tw, tl = (rt[n].to(device()) for n in ("topk_ids", "topk_weights", "token_lora"))
+        ids, tw, tl = sweep_routing(shape, L, M, args.seed)
         x = torch.randn(M if op == "w13" else M * k, k_in, device=device(), generator=gen, dtype=dtype)
         base = torch.randn(M, k, S * n_out, device=device(), generator=gen, dtype=dtype)
         work = count_workload(ids, tl, E, L)
