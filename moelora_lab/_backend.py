@@ -12,6 +12,7 @@ An explicit ``TRITON_INTERPRET`` set by the user is respected when MOELORA_INTER
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import warnings
@@ -51,6 +52,12 @@ def _check_numpy() -> None:
 _check_numpy()
 
 
+def on_device(t: torch.Tensor):
+    """Make ``t``'s GPU the current device while kernels are launched and streams are used (Triton
+    launches on the current device, whatever device the tensors are on); nothing for CPU tensors."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+
+
 def kernel_device() -> torch.device:
     """The device kernel inputs should live on: CUDA when kernels compile, else the CPU."""
     return torch.device("cpu") if INTERPRET else torch.device("cuda")
@@ -60,4 +67,7 @@ def describe() -> str:
     """One line saying where kernels run, for notebooks and benchmark provenance."""
     if INTERPRET:
         return "Triton interpreter on the CPU (correctness only: timings here are not GPU timings)"
+    if not torch.cuda.is_available():
+        return ("no CUDA GPU is visible, and MOELORA_INTERPRET=0 turned the Triton interpreter off: kernels cannot "
+                "run here; unset MOELORA_INTERPRET (or set it to 1) to run them on the CPU")
     return f"CUDA: {torch.cuda.get_device_name()}"

@@ -10,9 +10,11 @@ from __future__ import annotations
 import torch
 import triton
 
-from ._backend import INTERPRET
+from ._backend import INTERPRET, on_device
+from .blocks import BlockList, RoutingStamp
 from .kernels.align import count_kernel, scan_kernel, scatter_kernel, table_kernel
-from .routing import BlockList, block_list, check_routing, max_blocks
+from .routing import block_list, max_blocks
+from .validate import check_int, check_routing
 
 SUB = 64           # pairs placed per step of the scatter (a [SUB, SUB] comparison finds ranks)
 MAX_CHUNKS = 32    # chunks of pairs counted and scattered in parallel
@@ -20,9 +22,17 @@ MAX_CHUNKS = 32    # chunks of pairs counted and scattered in parallel
 
 def block_list_device(topk_ids: torch.Tensor, token_lora: torch.Tensor, num_experts: int, num_loras: int,
                       block_size: int, *, validate: bool = True) -> BlockList:
-    """Group pairs by (adapter, expert), pad each group to ``block_size``, list the blocks (on device)."""
-    if validate:
-        check_routing(topk_ids, token_lora, num_experts, num_loras)
+    """Group pairs by (adapter, expert), pad each group to ``block_size``, list the blocks (on device).
+
+    ``validate=False`` skips the id-range checks (one device synchronisation) for checked ids.
+    """
+    check_int("block_size", block_size, low=1)
+    check_routing(topk_ids, token_lora, num_experts, num_loras, values=validate)
+    with on_device(topk_ids):
+        return _block_list_device(topk_ids, token_lora, num_experts, num_loras, block_size, validate)
+
+
+def _block_list_device(topk_ids, token_lora, num_experts, num_loras, block_size, validate):
     M, k = topk_ids.shape
     n, E, L, bs, dev = M * k, num_experts, num_loras, block_size, topk_ids.device
     G = L * E
@@ -42,13 +52,21 @@ def block_list_device(topk_ids: torch.Tensor, token_lora: torch.Tensor, num_expe
     scatter_kernel[(NC,)](ids, lora, counts, first, pairs, n, k, E, G, C=C, SUB=SUB, GP=GP, BS=bs)
     bb = max(1, 4096 // GP)
     table_kernel[(triton.cdiv(B, bb),)](first, block_lora, block_expert, B, E, G, BB=bb, GP=GP)
-    return BlockList(pairs, block_lora, block_expert)
+    stamp = RoutingStamp.of(topk_ids, token_lora, E, L, bs, values_checked=validate)
+    return BlockList(pairs, block_lora, block_expert, stamp)
 
 
-def make_blocks(topk_ids: torch.Tensor, token_lora: torch.Tensor, num_experts: int, num_loras: int,
-                block_size: int) -> BlockList:
-    """The BlockList for already-validated routing: device kernels on a GPU, PyTorch ops elsewhere
-    (under the interpreter the few tensor ops are cheaper than interpreted kernels)."""
-    if topk_ids.is_cuda and not INTERPRET:
-        return block_list_device(topk_ids, token_lora, num_experts, num_loras, block_size, validate=False)
-    return block_list(topk_ids, token_lora, num_experts, num_loras, block_size)
+def make_blocks(topk_ids: torch.Tensor, token_lora: torch.Tensor | None, num_experts: int, num_loras: int,
+                block_size: int, *, values_checked: bool = False) -> BlockList:
+    """The BlockList for routing whose shapes were checked: device kernels on a GPU, PyTorch ops
+    elsewhere (under the interpreter the few tensor ops are cheaper than interpreted kernels).
+
+    ``token_lora=None`` groups the pairs by expert only (the base GEMM's blocks); ``values_checked``
+    says whether the caller has range-checked the ids (recorded in the stamp, not done here).
+    """
+    lora = torch.zeros_like(topk_ids[:, 0]) if token_lora is None else token_lora
+    build = block_list_device if topk_ids.is_cuda and not INTERPRET else block_list
+    blocks = build(topk_ids, lora, num_experts, 1 if token_lora is None else num_loras, block_size, validate=False)
+    stamp = RoutingStamp.of(topk_ids, token_lora, num_experts, 1 if token_lora is None else num_loras, block_size,
+                            values_checked=values_checked)
+    return BlockList(*blocks.tensors, stamp)

@@ -17,13 +17,15 @@ from pathlib import Path
 
 import torch
 
+from .paths import PATHS, TRITON_PATHS, resolve_path
+
 DEFAULT_OUT = Path(__file__).parent / "data" / "h200"
 DEVICE = "cuda"   # the benchmarks run on CUDA; tests point this at the CPU to run the pipeline end to end
 
 
 def device() -> str:
     return DEVICE
-KERNEL_PATHS = ("two_kernel", "one_shot", "small_batch", "auto")
+KERNEL_PATHS = TRITON_PATHS + ("auto",)      # from the table of paths (paths.PATHS)
 
 
 def sweep_routing(shape, num_loras: int, M: int, seed: int):
@@ -64,7 +66,7 @@ def _kernel_cases(args):
 def run_kernels(args) -> list[dict]:
     from tqdm.auto import tqdm
 
-    from .dispatch import choose_config, choose_path
+    from .dispatch import choose_config
     from .ops import moe_lora
     from .profile.timing import copy_bandwidth, provenance, time_cuda
     from .profile.traffic import count_workload, lora_op_traffic
@@ -94,14 +96,15 @@ def run_kernels(args) -> list[dict]:
             for path, override in _variants(args):
                 if path == "small_batch" and M > args.small_batch_max_tokens:
                     continue
-                real = choose_path(M * k, E, L, rank) if path == "auto" else path
+                real = resolve_path(path, num_pairs=M * k, num_experts=E, num_loras=L, rank=rank, add_inputs=True,
+                                    token_rows=op == "w13")
                 cfg = choose_config(real, M * k, min(M * k, work.touched_adapter_experts or 1), n_out, S,
                                     x.device, rank=rank).replace(**override)
-                blocks = None if real == "small_batch" else block_list(topk_ids, token_lora, E, L, cfg.block_m)
+                blocks = None if not PATHS[real].uses_blocks else block_list(topk_ids, token_lora, E, L, cfg.block_m)
 
                 def fn():
                     moe_lora(x, topk_ids, topk_w, token_lora, lora_a, lora_b, path=real, mul_routed_weight=mul,
-                             output=out, add_inputs=True, alignment=blocks, config=cfg)
+                             output=out, add_inputs=True, blocks=blocks, config=cfg)
 
                 t = time_cuda(fn)
                 traffic = lora_op_traffic(real, work, in_features=k_in, out_features=n_out, num_slices=S,
@@ -169,7 +172,7 @@ def run_align(args) -> list[dict]:
             E, L, bs = shape.num_experts, args.loras, args.block_size
             fns = {"torch_ops": lambda: block_list(ids, lora, E, L, bs),
                    "triton_kernels": lambda: block_list_device(ids, lora, E, L, bs, validate=False)}
-            assert all(torch.equal(a, b) for a, b in zip(fns["torch_ops"](), fns["triton_kernels"]()))
+            assert all(torch.equal(a, b) for a, b in zip(fns["torch_ops"]().tensors, fns["triton_kernels"]().tensors))
             for method, fn in fns.items():
                 t = time_cuda(fn)
                 rows.append(dict(preset=preset, M=M, loras=L, block_size=bs, method=method,

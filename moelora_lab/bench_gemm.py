@@ -88,7 +88,7 @@ def run_gemm(args) -> list[dict]:
                     for tiles in _tiles_for(P / E, default):
                         bm = tiles["BLOCK_M"]
                         if bm not in blocks:
-                            blocks[bm] = make_blocks(ids, torch.zeros_like(tl), E, 1, bm)
+                            blocks[bm] = make_blocks(ids, None, E, 1, bm)
                         fn = lambda: moe_gemm(inp, w, blocks[bm], out, top_k=k, topk_weights=weights,
                                               tiles=tiles, lora=extra)
                         error, med, p20, p80 = "", "", "", ""

@@ -20,6 +20,7 @@ import time
 import torch
 
 from .bench import device, sweep_routing
+from .paths import PATHS, TRITON_PATHS
 
 # KernelConfig fields and the values the walk tries (n_chunks only matters to the one-shot kernel)
 AXES = {
@@ -38,7 +39,8 @@ def add_parser(sub):
     t = sweep_parser(sub, "tune", "greedy tile search of the LoRA op (one-shot and two-kernel)", name="lora_tune",
                      tokens=(16, 64, 512, 128, 1, 2048), ranks=(16, 64), max_seconds=True)
     t.add_argument("--ops", nargs="+", choices=["w13", "w2"], default=["w13", "w2"])
-    t.add_argument("--paths", nargs="+", choices=["one_shot", "two_kernel"], default=["one_shot", "two_kernel"])
+    block_paths = [name for name in TRITON_PATHS if PATHS[name].uses_blocks]
+    t.add_argument("--paths", nargs="+", choices=block_paths, default=block_paths)
     t.add_argument("--passes", type=int, default=1, help="walks over all axes per case")
 
 
@@ -79,7 +81,7 @@ def run_layout(args) -> list[dict]:
                     want = None
                     for name, bb in layouts.items():
                         fn = lambda: moe_lora(x, ids, tw, tl, a, bb, path=path, mul_routed_weight=op == "w2",
-                                              output=out, add_inputs=False, alignment=blocks)
+                                              output=out, add_inputs=False, blocks=blocks)
                         got = fn().float().clone()
                         want = got if want is None else want
                         if not torch.allclose(got, want, rtol=1e-2, atol=1e-2 * float(want.abs().max())):
@@ -160,7 +162,7 @@ def run_tune(args) -> list[dict]:
                 if cfg.block_m not in blocks:
                     blocks[cfg.block_m] = block_list(ids, tl, E, L, cfg.block_m)
                 fn = lambda: moe_lora(x, ids, tw, tl, lora_a, lora_b, path=path, mul_routed_weight=op == "w2",
-                                      output=out, add_inputs=True, alignment=blocks[cfg.block_m], config=cfg)
+                                      output=out, add_inputs=True, blocks=blocks[cfg.block_m], config=cfg)
                 error, us, p20, p80 = "", None, "", ""
                 try:
                     out.copy_(base)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._checks import FLOAT_DTYPES, check_int
+from .validate import FLOAT_DTYPES, check_int
 from .routing import route
 
 

@@ -9,10 +9,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ._backend import INTERPRET
-from ._checks import check_int
-
-PATHS = ("naive", "two_kernel", "one_shot", "small_batch", "auto")
-
+from .validate import check_int
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
@@ -44,9 +41,13 @@ class KernelConfig:
         check_int("KernelConfig.n_chunks", self.n_chunks, low=1)
         check_int("KernelConfig.num_warps", self.num_warps, low=1)
         check_int("KernelConfig.num_stages", self.num_stages, low=1)
+        if self.programs is not None:
+            check_int("KernelConfig.programs", self.programs, low=1)
 
     def rank_tiling(self, rank: int) -> tuple[int, int]:
-        """(BLOCK_R, RANK_TILES): the fewest register tiles that cover r, each a power of two >= 16."""
+        """(BLOCK_R, RANK_TILES): the fewest register tiles that cover r, each a power of two >= 16
+        (rank 0: one empty tile)."""
+        rank = max(rank, 1)
         if self.block_r is not None:
             return self.block_r, -(-rank // self.block_r)
         tiles = -(-rank // self.max_block_r)

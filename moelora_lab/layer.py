@@ -37,21 +37,21 @@ valid under CUDA-graph capture and replay.
 """
 from __future__ import annotations
 
-import contextlib
 import warnings
-from dataclasses import dataclass
 
 import torch
 
-from ._backend import INTERPRET
-from ._checks import INDEX_DTYPES, check_choice, check_range, check_tensor
-from .dispatch import choose_config, choose_path
+from ._backend import INTERPRET, on_device
+from .align import make_blocks
+from .blocks import LayerPlan, RoutingStamp
+from .dispatch import choose_config
 from .moe import (MAX_FUSED_COLUMNS, GemmLoRA, fused_columns, gemm_tiles, moe_gemm, silu_and_mul,
                   topk_sum)
 from .ops import run_lora
-from .reference import _check_layer, check_lora_weights
-from .align import make_blocks
-from .routing import BlockList, check_routing
+from .paths import TRITON_PATHS, get_path, resolve_path
+from .streams import SIDE_PRIORITIES, Streams
+from .validate import (check_choice, check_int, check_layer_inputs, check_lora_ranks, check_plan, check_routing,
+                       check_values, routing_ranges)
 
 SCHEDULES = ("sequential", "dual_stream", "fused", "auto")
 # ``auto`` overlaps the LoRA stream up to this many pairs per expert (H200, qwen3-30b-a3b, r 16, two
@@ -59,21 +59,6 @@ SCHEDULES = ("sequential", "dual_stream", "fused", "auto")
 # r 64: -25%, -3..-8%, +3%)
 DUAL_STREAM_MAX_PAIRS_PER_EXPERT = 32
 JOINS = ("fold", "vllm")
-SIDE_PRIORITIES = ("highest", "default")
-_AUX_STREAMS: dict = {}
-
-
-def aux_stream(device: torch.device, priority: str = "highest") -> "torch.cuda.Stream":
-    """The side stream of this process for ``device`` and ``priority`` (one of ``SIDE_PRIORITIES``;
-    one stream is enough: more would only compete)."""
-    check_choice("side_priority", priority, SIDE_PRIORITIES)
-    key = (torch.device(device).index or 0, priority)
-    if key not in _AUX_STREAMS:
-        least, highest = torch.cuda.Stream.priority_range()
-        _AUX_STREAMS[key] = torch.cuda.Stream(device=device, priority=highest if priority == "highest" else least)
-    return _AUX_STREAMS[key]
-
-
 def fused_fits(num_loras: int, rank: int) -> bool:
     """Whether the in-GEMM LoRA can run: the stacked shrink of all adapters fits in registers."""
     return fused_columns(num_loras, rank) <= MAX_FUSED_COLUMNS
@@ -104,156 +89,159 @@ def resolve_schedule(schedule: str, device: torch.device, *, num_pairs: int = 0,
     return schedule
 
 
-class _Streams:
-    """Fork / join helper. ``fork()`` marks the point the side work depends on (record it before
-    enqueuing the base GEMM, so both can start together); ``side(name, fork)`` runs work on the side
-    stream after that point; ``join()`` makes the main stream wait for it."""
-
-    def __init__(self, dual: bool, device, tracer=None, priority: str = "highest"):
-        self.dual, self.tracer = dual, tracer
-        self.main = torch.cuda.current_stream(device) if dual else None
-        self.aux = aux_stream(device, priority) if dual else None
-
-    def fork(self):
-        if not self.dual:
-            return None
-        event = torch.cuda.Event()
-        event.record(self.main)
-        return event
-
-    @contextlib.contextmanager
-    def side(self, name: str, fork):
-        if not self.dual:
-            with self.stage(name, "lora"):
-                yield
-            return
-        self.aux.wait_event(fork)
-        with torch.cuda.stream(self.aux), self.stage(name, "lora"):
-            yield
-        self.joined = torch.cuda.Event()
-        self.joined.record(self.aux)
-
-    def join(self):
-        if self.dual:
-            self.main.wait_event(self.joined)
-
-    def stage(self, name, lane):
-        return self.tracer.stage(name, lane) if self.tracer is not None else contextlib.nullcontext()
-
-
-@dataclass(frozen=True)
-class LayerPlan:
-    """Routing metadata of one layer call, computed once and shared by w13 and w2."""
-
-    base_blocks: BlockList           # pairs grouped by expert, for the base GEMMs
-    lora_blocks: BlockList | None    # pairs grouped by (adapter, expert), for the LoRA ops
-    lora_path: str | None            # 'one_shot', 'two_kernel', 'small_batch' or 'in_gemm' (fused)
-
-
 def plan_layer(topk_ids, token_lora, num_experts: int, num_loras: int | None, rank: int | None, *,
                hidden: int | None = None, intermediate: int | None = None, lora_path: str = "auto",
                schedule: str = "auto", validate: bool = True) -> LayerPlan:
     """Build the routing metadata (and pick the LoRA path) for :func:`moe_lora_layer`.
 
-    ``num_loras=None`` plans a layer without LoRA. Reuse a plan across calls with the same routing
-    (benchmarks, CUDA graphs that capture only the layer's kernels). ``validate=False`` skips the
-    id-range checks (they synchronise with the GPU) for routing that was already checked. A plan for
+    ``num_loras=None`` plans a layer without LoRA; otherwise ``rank`` is the LoRA rank r of the
+    weights the plan will serve. Reuse a plan across calls with the same routing tensors (w13 and
+    w2, benchmarks, CUDA graphs that capture only the layer's kernels): the layer checks, without a
+    device synchronisation, that it gets the tensors the plan was made from, unchanged.
+    ``validate=False`` skips the id-range checks (one synchronisation) for routing already checked;
+    the layer then checks the ids itself unless it is told ``validate=False`` too. A plan for
     ``schedule="fused"`` has no LoRA blocks: the base GEMMs carry the LoRA.
     """
-    if validate:
-        check_routing(topk_ids, token_lora, num_experts, num_loras or 2**31 - 1)
-    M, k = topk_ids.shape
-    P = M * k
-    tiles = gemm_tiles(P, num_experts)
-    base = make_blocks(topk_ids, torch.zeros_like(token_lora), num_experts, 1, tiles["BLOCK_M"])
-    if num_loras is None:
-        return LayerPlan(base, None, None)
+    E = check_int("num_experts", num_experts, low=1)
+    if num_loras is not None:
+        check_int("num_loras", num_loras, low=1)
+        if rank is None:
+            raise TypeError("rank: expected an int (the LoRA rank r of the weights) when num_loras is given; pass "
+                            "num_loras=None to plan a layer without LoRA")
+        check_int("rank", rank, low=0)
     check_choice("schedule", schedule, SCHEDULES)
-    fits = fused_fits(num_loras, rank)
-    if _fused(schedule, fits):
-        return LayerPlan(base, None, "in_gemm")
-    path = choose_path(P, num_experts, num_loras, rank) if lora_path == "auto" else lora_path
-    cfg = choose_config(path, P, min(P, num_loras * num_experts), intermediate or 1, 2,
-                        topk_ids.device, rank=rank)
-    return LayerPlan(base, make_blocks(topk_ids, token_lora, num_experts, num_loras, cfg.block_m), path)
+    get_path(lora_path, "lora_path", TRITON_PATHS + ("auto",))
+    L = num_loras or 2**31 - 1
+    M, k = check_routing(topk_ids, token_lora, E, L, values=validate)
+    P = M * k
+    tiles = gemm_tiles(P, E)
+    with on_device(topk_ids):
+        base = make_blocks(topk_ids, None, E, 1, tiles["BLOCK_M"], values_checked=validate)
+        stamp = RoutingStamp.of(topk_ids, None if num_loras is None else token_lora, E, L, tiles["BLOCK_M"],
+                                values_checked=validate)
+        plan = dict(num_loras=num_loras, rank=rank, routing=stamp)
+        if num_loras is None or rank == 0:                  # rank 0: LoRA adds nothing, the base layer runs
+            return LayerPlan(base, None, None, **plan)
+        if _fused(schedule, fused_fits(num_loras, rank)):
+            return LayerPlan(base, None, "in_gemm", **plan)
+        path = resolve_path(lora_path, num_pairs=P, num_experts=E, num_loras=num_loras, rank=rank,
+                            add_inputs=False, token_rows=True)
+        cfg = choose_config(path, P, min(P, num_loras * E), intermediate or 1, 2, topk_ids.device, rank=rank)
+        return LayerPlan(base, make_blocks(topk_ids, token_lora, E, num_loras, cfg.block_m, values_checked=validate),
+                         path, **plan)
 
 
 def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=None, w13_lora_b=None,
                    w2_lora_a=None, w2_lora_b=None, *, schedule: str = "auto", join: str = "fold",
                    lora_path: str = "auto", plan: LayerPlan | None = None, tracer=None,
-                   lora_ranks: torch.Tensor | None = None, side_priority: str = "highest") -> torch.Tensor:
+                   lora_ranks: torch.Tensor | None = None, side_priority: str = "highest",
+                   validate: bool = True) -> torch.Tensor:
     """One MoE layer with LoRA on w13 (2 slices) and w2 (1 slice): y [M, H] in x's dtype.
 
-    ``schedule``: 'sequential', 'dual_stream', 'fused' or 'auto' (see the module docstring); ``join``:
-    'fold' or 'vllm' (two-kernel schedules only). Without LoRA weights it is the plain MoE layer.
-    ``plan`` (from :func:`plan_layer`) skips the
-    routing-metadata work and the id-range checks (which synchronise with the GPU); ``tracer``
-    (see ``profile.timeline``) records per-stream intervals of every stage. ``lora_ranks`` [L]: the
-    actual rank of each slot, as in :func:`moelora_lab.moe_lora`. ``side_priority``: 'highest' or
-    'default', the priority of the side stream when two streams run.
+    Parameters
+    ----------
+    x : torch.Tensor
+        [M, H] activations, float32/float16/bfloat16 (bfloat16 only on a GPU).
+    topk_ids, topk_weights : torch.Tensor
+        [M, k] expert ids (int32/int64, in [0, E)) and routing weights (float) of each token.
+    token_lora : torch.Tensor
+        [M] int32/int64 adapter slot of each token in [0, L), -1 = no adapter.
+    w13, w2 : torch.Tensor
+        Base expert weights in x's dtype: w13 [E, 2I, H] (gate rows [0, I), up rows [I, 2I)) and
+        w2 [E, H, I] (down projection).
+    w13_lora_a, w13_lora_b : list of torch.Tensor, optional
+        w13's LoRA, two slices (gate, up): A 2 x [L, E, r, H], B 2 x [L, E, I, r].
+    w2_lora_a, w2_lora_b : list of torch.Tensor, optional
+        w2's LoRA, one slice: A 1 x [L, E, r, I], B 1 x [L, E, H, r]. Give all four LoRA arguments or
+        none (none: the plain MoE layer); same L and r for w13 and w2, scaling folded into B.
+    schedule : str
+        'sequential', 'dual_stream', 'fused' or 'auto' (see the module docstring).
+    join : str
+        'fold' or 'vllm' (the schedules with separate LoRA kernels only).
+    lora_path : str
+        'auto' or a Triton path of ``moelora_lab.PATHS`` for the separate LoRA kernels.
+    plan : LayerPlan, optional
+        From :func:`plan_layer` for these very routing tensors: skips building the routing metadata
+        (and, when the plan checked them, the id-range checks).
+    tracer : profile.timeline.Tracer, optional
+        Records per-stream intervals of every stage.
+    lora_ranks : torch.Tensor, optional
+        [L] int actual rank of each slot, as in :func:`moelora_lab.moe_lora`.
+    side_priority : str
+        'highest' or 'default', the priority of the side stream when two streams run.
+    validate : bool
+        False skips the id-range checks (one device synchronisation) for ids you have checked.
+
+    Returns
+    -------
+    torch.Tensor
+        y [M, H] in x's dtype.
     """
-    E, H, I = _check_layer(x, topk_ids, w13, w2)
+    M, k, E, H, I, L, r = check_layer_inputs(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a, w13_lora_b,
+                                             w2_lora_a, w2_lora_b)
     check_choice("side_priority", side_priority, SIDE_PRIORITIES)
-    check_tensor("w13", w13, dtypes=(x.dtype,), legend="[E, 2I, H] in x's dtype")
-    check_tensor("w2", w2, dtypes=(x.dtype,), legend="[E, H, I] in x's dtype")
     check_choice("join", join, JOINS)
     check_choice("schedule", schedule, SCHEDULES)
-    check_choice("lora_path", lora_path, ("auto", "one_shot", "two_kernel", "small_batch"))
-    lora_given = [t is not None for t in (w13_lora_a, w13_lora_b, w2_lora_a, w2_lora_b)]
-    if any(lora_given) and not all(lora_given):
-        raise ValueError("w13_lora_a, w13_lora_b, w2_lora_a, w2_lora_b: give all four or none")
-    with_lora = all(lora_given)
-    L = 2**31 - 1                                    # without LoRA any adapter id is accepted
-    if with_lora:
-        L, _, r, _, n13, s13 = check_lora_weights(w13_lora_a, w13_lora_b, num_experts=E, in_features=H)
-        _, _, r2, _, n2, s2 = check_lora_weights(w2_lora_a, w2_lora_b, num_experts=E, in_features=I)
-        if (s13, n13, s2, n2, r2) != (2, I, 1, H, r):
-            raise ValueError(f"LoRA weights: expected w13 slices 2 x [L, E, r, {H}] / [L, E, {I}, r] and w2 "
-                             f"1 x [L, E, r, {I}] / [L, E, {H}, r] with one rank; got S={s13}, N={n13}, "
-                             f"S={s2}, N={n2}, r={r}/{r2}")
-        if w13_lora_a[0].dtype != x.dtype:
-            raise TypeError(f"w13_lora_a[0]: dtype {w13_lora_a[0].dtype} must equal x's dtype {x.dtype}")
-        if lora_ranks is not None:
-            check_tensor("lora_ranks", lora_ranks, dtypes=INDEX_DTYPES, shape=(L,), legend="[L] actual rank per slot")
-            check_range("lora_ranks", lora_ranks, 0, r + 1, f"ranks of a rank-{r} slot")
-            lora_ranks = lora_ranks.to(device=x.device, dtype=torch.int32).contiguous()
-    if plan is None:
-        check_routing(topk_ids, token_lora, E, L, topk_weights)
-    elif not isinstance(plan, LayerPlan):
-        raise TypeError("plan: expected a LayerPlan from plan_layer(...) made with the layer's num_loras and rank")
+    get_path(lora_path, "lora_path", TRITON_PATHS + ("auto",))
+    with_lora = L is not None
+    ranges = check_lora_ranks(lora_ranks, L, r) if with_lora else []
+    checked = check_plan(plan, topk_ids, token_lora, E, L, r) if plan is not None else False
+    if validate:
+        check_values(ranges + ([] if checked else routing_ranges(topk_ids, token_lora, E, L or 2**31 - 1)))
     if x.device.type != "cuda" and not INTERPRET:
         raise ValueError(f"x: the layer's Triton kernels need CUDA tensors (got {x.device}); set "
                          "MOELORA_INTERPRET=1 before importing moelora_lab to run them on the CPU")
-    M, k = topk_ids.shape
+    if INTERPRET and x.dtype == torch.bfloat16:
+        raise TypeError("x: bfloat16 is mis-computed by the Triton interpreter; use float32 or float16 on the CPU")
+    if M == 0:
+        return x.new_empty(0, H)
+    active = with_lora and r > 0                      # rank 0: the LoRA adds nothing
     P = M * k
-    fits = with_lora and fused_fits(L, r)
-    run = (resolve_schedule(schedule, x.device, num_pairs=P, num_experts=E, fits=fits) if with_lora
+    run = (resolve_schedule(schedule, x.device, num_pairs=P, num_experts=E, fits=fused_fits(L, r)) if active
            else "sequential")
-    if plan is not None and with_lora and (plan.lora_blocks is None) != (run == "fused"):
-        raise TypeError(f"plan: made for another schedule than this call's ({run!r}); pass plan_layer(..., "
-                        f"schedule={schedule!r}) with the layer's num_loras, rank, hidden and intermediate")
     if run == "fused" and join != "fold":
         raise ValueError(f"join: {join!r} has no meaning with schedule='fused' (the LoRA is added inside the GEMMs, "
                          "there is no join); leave join at 'fold' or pick another schedule")
-    dual = run == "dual_stream"
-    if INTERPRET and x.dtype == torch.bfloat16:
-        raise TypeError("x: bfloat16 is mis-computed by the Triton interpreter; use float32 or float16 on the CPU")
+    if plan is not None and active:
+        if (plan.lora_path == "in_gemm") != (run == "fused"):
+            raise TypeError(f"plan: made for another schedule than this call's ({run!r}); pass plan_layer(..., "
+                            f"schedule={schedule!r}) with the layer's num_loras and rank")
+        if lora_path != "auto" and run != "fused" and plan.lora_path != lora_path:
+            raise ValueError(f"lora_path: {lora_path!r}, but the plan was made for {plan.lora_path!r}; make the plan "
+                             f"with plan_layer(..., lora_path={lora_path!r})")
+    with on_device(x):
+        if plan is None:
+            plan = plan_layer(topk_ids, token_lora, E, L, r, hidden=H, intermediate=I, lora_path=lora_path,
+                              schedule=run, validate=False)
+        if lora_ranks is not None:
+            lora_ranks = lora_ranks.to(device=x.device, dtype=torch.int32).contiguous()
+        weights = topk_weights.reshape(-1).float().contiguous()
+        if run == "fused":
+            token_lora = token_lora.to(torch.int32).contiguous()
+            return _fused_layer(x, topk_ids, weights, token_lora, w13, w2, plan.base_blocks,
+                                tiles=gemm_tiles(P, E, lora=True),
+                                lora13=GemmLoRA(token_lora, w13_lora_a, w13_lora_b, lora_ranks),
+                                lora2=GemmLoRA(token_lora, w2_lora_a, w2_lora_b, lora_ranks), tracer=tracer)
+        lora = (w13_lora_a, w13_lora_b, w2_lora_a, w2_lora_b) if active else None
+        return _two_kernel_layer(x, topk_ids, topk_weights, weights, token_lora, w13, w2, lora, plan,
+                                 dual=run == "dual_stream", join=join, lora_ranks=lora_ranks, tracer=tracer,
+                                 side_priority=side_priority)
 
-    weights = topk_weights.reshape(-1).float().contiguous()
-    if plan is None:
-        plan = plan_layer(topk_ids, token_lora, E, L if with_lora else None, r if with_lora else None,
-                          hidden=H, intermediate=I, lora_path=lora_path, schedule=run, validate=False)
-    if run == "fused":
-        token_lora = token_lora.to(torch.int32).contiguous()
-        return _fused_layer(x, topk_ids, weights, token_lora, w13, w2, plan.base_blocks, tiles=gemm_tiles(P, E, lora=True),
-                            lora13=GemmLoRA(token_lora, w13_lora_a, w13_lora_b, lora_ranks),
-                            lora2=GemmLoRA(token_lora, w2_lora_a, w2_lora_b, lora_ranks), tracer=tracer)
+
+def _two_kernel_layer(x, topk_ids, topk_weights, weights, token_lora, w13, w2, lora, plan, *, dual, join,
+                      lora_ranks, tracer, side_priority):
+    """The ``sequential`` and ``dual_stream`` schedules: base GEMMs, LoRA kernels, joins."""
+    M, k = topk_ids.shape
+    E, H, I = w2.shape
+    P = M * k
     tiles = gemm_tiles(P, E)
     base_blocks, lora_blocks, path = plan.base_blocks, plan.lora_blocks, plan.lora_path
-    streams = _Streams(dual, x.device, tracer, side_priority)
+    streams = Streams(dual, x.device, tracer, side_priority)
     c1, h, c3, y = _buffers(x, M, k, H, I)
+    with_lora = lora is not None
     d13 = d2 = None
     if with_lora:
+        w13_lora_a, w13_lora_b, w2_lora_a, w2_lora_b = lora
         alloc = torch.zeros if join == "vllm" else torch.empty       # vLLM's join needs zeroed deltas
         d13 = alloc(M, k, 2 * I, dtype=x.dtype, device=x.device)
         d2 = alloc(M, k, H, dtype=x.dtype, device=x.device)
@@ -298,7 +286,7 @@ def _buffers(x, M: int, k: int, H: int, I: int):
 def _fused_layer(x, topk_ids, weights, token_lora, w13, w2, blocks, *, tiles, lora13, lora2, tracer):
     """The ``fused`` schedule: four launches, the LoRA computed inside the two grouped GEMMs."""
     M, k = topk_ids.shape
-    streams = _Streams(False, x.device, tracer)
+    streams = Streams(False, x.device, tracer)
     c1, h, c3, y = _buffers(x, M, k, w2.shape[1], w2.shape[2])
     with streams.stage("w13+lora", "main"):
         moe_gemm(x, w13, blocks, c1, top_k=k, tiles=tiles, lora=lora13)

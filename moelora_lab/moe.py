@@ -9,9 +9,9 @@ from typing import NamedTuple
 import torch
 import triton
 
-from ._backend import INTERPRET
+from ._backend import INTERPRET, on_device
 from .kernels.base_moe import moe_gemm_kernel, silu_and_mul_kernel, topk_sum_kernel
-from .routing import BlockList
+from .blocks import BlockList
 
 
 # Widest stacked shrink (L*r columns, padded to a power of two) the in-GEMM LoRA keeps in registers
@@ -87,15 +87,16 @@ def moe_gemm(x: torch.Tensor, w: torch.Tensor, blocks: BlockList, out: torch.Ten
         a_strides, b_strides = a[0].stride(), b[0].stride()
     grid = (blocks.num_blocks * (N // n_slice) * triton.cdiv(n_slice, tiles["BLOCK_N"]),)
     has_ranks = lora is not None and lora.lora_ranks is not None
-    moe_gemm_kernel[grid](
-        x, w, out, topk_weights if mul else out, blocks.sorted_pairs, blocks.block_expert,
-        lora.token_lora if lora is not None else blocks.block_expert, *a, *b,
-        lora.lora_ranks if has_ranks else blocks.block_expert,
-        P, top_k, K, N, blocks.num_blocks, L, R, n_slice,
-        x.stride(0), x.stride(1), *w.stride(), out.stride(0), out.stride(1), *a_strides, *b_strides,
-        BLOCK_LR=block_lr, TOKEN_ROWS=x.shape[0] != P or top_k == 1, MUL_ROUTED_WEIGHT=mul,
-        HAS_LORA=lora is not None, HAS_RANKS=has_ranks,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages, **tiles)
+    with on_device(x):
+        moe_gemm_kernel[grid](
+            x, w, out, topk_weights if mul else out, blocks.sorted_pairs, blocks.block_expert,
+            lora.token_lora if lora is not None else blocks.block_expert, *a, *b,
+            lora.lora_ranks if has_ranks else blocks.block_expert,
+            P, top_k, K, N, blocks.num_blocks, L, R, n_slice,
+            x.stride(0), x.stride(1), *w.stride(), out.stride(0), out.stride(1), *a_strides, *b_strides,
+            BLOCK_LR=block_lr, TOKEN_ROWS=x.shape[0] != P or top_k == 1, MUL_ROUTED_WEIGHT=mul,
+            HAS_LORA=lora is not None, HAS_RANKS=has_ranks,
+            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages, **tiles)
     return out
 
 
@@ -107,9 +108,10 @@ def _rowwise(kernel, src, dst, rows: int, cols: int, top_k: int, delta, token_lo
     """Launch one (row, column tile) epilogue kernel, with or without the LoRA delta."""
     block = _block(cols)
     has = delta is not None
-    kernel[(rows, triton.cdiv(cols, block))](
-        src, delta if has else src, token_lora if has else src, dst, top_k, cols, src.stride(0),
-        delta.stride(0) if has else 0, dst.stride(0), BLOCK=block, HAS_DELTA=has)
+    with on_device(src):
+        kernel[(rows, triton.cdiv(cols, block))](
+            src, delta if has else src, token_lora if has else src, dst, top_k, cols, src.stride(0),
+            delta.stride(0) if has else 0, dst.stride(0), BLOCK=block, HAS_DELTA=has)
     return dst
 
 

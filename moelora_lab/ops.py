@@ -1,4 +1,4 @@
-"""The public LoRA-on-MoE op: validation, routing metadata, launchers and dispatch.
+"""The public LoRA-on-MoE op: validate, build the routing metadata, dispatch to a path.
 
 Shape legend: M tokens, E experts, k top-k, L adapters, r rank, K in, N out, S slices,
 P = M*k pairs, B blocks.
@@ -7,27 +7,28 @@ P = M*k pairs, B blocks.
 
 for every pair (t, j) whose token has an adapter l = token_lora[t] >= 0 (and an enabled slot),
 with e = topk_ids[t, j]; x_row = x[t] (x is [M, K]) or x[t*k + j] (x is [M*k, K]).
-add_inputs=True adds into ``output``; False overwrites the rows of pairs with an adapter and leaves
-the others untouched. Without ``output`` a zero-filled one is allocated.
+The paths (``paths.PATHS``) compute the same delta with different memory traffic.
 """
 from __future__ import annotations
 
 import torch
-import triton
 
-from ._backend import INTERPRET
-from ._checks import INDEX_DTYPES, check_choice, check_range, check_tensor
-from .dispatch import PATHS, KernelConfig, choose_config, choose_path, num_sms
+from ._backend import INTERPRET, on_device
 from .align import make_blocks
-from .kernels.one_shot import one_shot_kernel
-from .kernels.small_batch import small_batch_kernel
-from .kernels.two_kernel import expand_kernel, shrink_kernel
-from .reference import _check_op_inputs, moe_lora_reference
-from .routing import BlockList
+from .blocks import BlockList
+from .dispatch import KernelConfig, choose_config
+from .paths import PATHS, LoRACall, resolve_path
+from .validate import (check_blocks, check_enabled, check_lora_ranks, check_op_inputs, check_output, check_routing,
+                       check_tensor, check_values, routing_ranges)
 
 
 def pack_lora_b(lora_b):
-    """LoRA B [L, E, N, r] (a tensor or a list of slices) with N fastest in memory: same shape, same values.
+    """LoRA B with N fastest in memory: same shape, same values, another memory order.
+
+    Parameters
+    ----------
+    lora_b : torch.Tensor or list of torch.Tensor
+        B [L, E, N, r] of one slice, or a list/tuple of slices (each packed).
 
     The expand multiplies the rank tile by a [r, BLOCK_N] tile of B. In the usual layout (r fastest)
     that tile is BLOCK_N runs of r elements (32 bytes at r = 16, bf16); with N fastest it is r runs of
@@ -41,207 +42,124 @@ def pack_lora_b(lora_b):
     return lora_b.transpose(2, 3).contiguous().transpose(2, 3)
 
 
-def naive_block_list(topk_ids, token_lora, block_m: int) -> BlockList:
-    """One block per pair (the naive assignment): row 0 holds the pair, the others are padding."""
-    M, k = topk_ids.shape
-    n, dev = M * k, topk_ids.device
-    pairs = torch.full((n, block_m), n, dtype=torch.int32, device=dev)
-    pairs[:, 0] = torch.arange(n, dtype=torch.int32, device=dev)
-    lora = token_lora.to(torch.int32).repeat_interleave(k)
-    expert = torch.where(lora >= 0, topk_ids.reshape(-1).to(torch.int32), torch.full_like(lora, -1))
-    return BlockList(pairs.view(-1), lora, expert)
-
-
-def _slices(ws, s0):
-    """Pointers for a launch covering slices s0 and s0+1 (slice s0 twice when only one is left)."""
-    return ws[s0], ws[min(s0 + 1, len(ws) - 1)]
-
-
-def _launch_one_shot(x, lora_a, lora_b, out2d, weights, blocks, cfg, *, top_k, token_rows, mul, add, ranks=None):
-    L, E, R, K = lora_a[0].shape
-    N = lora_b[0].shape[2]
-    block_r, rank_tiles = cfg.rank_tiling(R)
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    a, b = lora_a[0], lora_b[0]
-    n_chunks = min(cfg.n_chunks, triton.cdiv(N, cfg.block_n))    # never more chunks than N tiles
-    compiled = None
-    for s0 in range(0, len(lora_a), 2):
-        ns = min(2, len(lora_a) - s0)
-        grid = (blocks.num_blocks, ns * n_chunks)
-        compiled = one_shot_kernel[grid](
-            x, *_slices(lora_a, s0), *_slices(lora_b, s0), out2d, weights,
-            blocks.sorted_pairs, blocks.block_lora, blocks.block_expert,
-            blocks.block_lora if ranks is None else ranks,
-            out2d.shape[0], top_k, K, N, R, s0 * N,
-            x.stride(0), x.stride(1), *a.stride(), *b.stride(), out2d.stride(0), out2d.stride(1),
-            N_CHUNKS=n_chunks, BLOCK_M=blocks.block_size, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            BLOCK_R=block_r, RANK_TILES=rank_tiles, TOKEN_ROWS=token_rows, MUL_ROUTED_WEIGHT=mul,
-            ADD_INPUTS=add, DOT_PRECISION=precision, HAS_RANKS=ranks is not None,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return compiled   # the compiled kernel on a GPU (registers, spills), for profile.report
-
-
-def _launch_two_kernel(x, lora_a, lora_b, out2d, weights, blocks, cfg, *, top_k, token_rows, mul, add, ranks=None):
-    L, E, R, K = lora_a[0].shape
-    N = lora_b[0].shape[2]
-    S = len(lora_a)
-    block_r, rank_tiles = cfg.rank_tiling(R)
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    a, b = lora_a[0], lora_b[0]
-    inter = torch.zeros(S, out2d.shape[0], R, dtype=x.dtype, device=x.device)   # [S, M*k, r] in HBM
-    for s0 in range(0, S, 2):
-        ns = min(2, S - s0)
-        t = inter[s0:s0 + ns]
-        shrink_kernel[(blocks.num_blocks, ns, rank_tiles)](
-            x, *_slices(lora_a, s0), t, blocks.sorted_pairs, blocks.block_lora, blocks.block_expert,
-            blocks.block_lora if ranks is None else ranks, out2d.shape[0], top_k, K, R,
-            x.stride(0), x.stride(1), *a.stride(), *t.stride(),
-            BLOCK_M=blocks.block_size, BLOCK_K=cfg.block_k, BLOCK_R=block_r, TOKEN_ROWS=token_rows,
-            DOT_PRECISION=precision, HAS_RANKS=ranks is not None, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages)
-        expand_kernel[(blocks.num_blocks, ns, triton.cdiv(N, cfg.block_n))](
-            t, *_slices(lora_b, s0), out2d, weights, blocks.sorted_pairs, blocks.block_lora, blocks.block_expert,
-            blocks.block_lora if ranks is None else ranks, out2d.shape[0], N, R, s0 * N,
-            *t.stride(), *b.stride(), out2d.stride(0), out2d.stride(1),
-            BLOCK_M=blocks.block_size, BLOCK_N=cfg.block_n, BLOCK_R=block_r, MUL_ROUTED_WEIGHT=mul,
-            ADD_INPUTS=add, DOT_PRECISION=precision, HAS_RANKS=ranks is not None, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages)
-
-
-def _launch_small_batch(x, lora_a, lora_b, out2d, weights, topk_ids, token_lora, cfg, *, top_k, token_rows,
-                        mul, add, ranks=None):
-    L, E, R, K = lora_a[0].shape
-    N = lora_b[0].shape[2]
-    block_r, rank_tiles = cfg.rank_tiling(R)
-    block_k = max(16, min(cfg.block_k, 8192 // block_r))       # keep the [BR, BK] partial sum small
-    a, b = lora_a[0], lora_b[0]
-    n_chunks = min(cfg.n_chunks, triton.cdiv(N, cfg.block_n))
-    for s0 in range(0, len(lora_a), 2):
-        ns = min(2, len(lora_a) - s0)
-        work = out2d.shape[0] * ns * n_chunks
-        programs = min(work, cfg.programs or 2 * num_sms(x.device))
-        small_batch_kernel[(programs,)](
-            x, *_slices(lora_a, s0), *_slices(lora_b, s0), out2d, weights, topk_ids, token_lora,
-            token_lora if ranks is None else ranks, out2d.shape[0], top_k, K, N, R, s0 * N, work,
-            x.stride(0), x.stride(1), *a.stride(), *b.stride(), out2d.stride(0), out2d.stride(1),
-            NUM_SLICES=ns, N_CHUNKS=n_chunks, BLOCK_N=cfg.block_n, BLOCK_K=block_k, BLOCK_R=block_r,
-            RANK_TILES=rank_tiles, TOKEN_ROWS=token_rows, MUL_ROUTED_WEIGHT=mul, ADD_INPUTS=add,
-            HAS_RANKS=ranks is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-
-
-def _check_output(output, M, k, SN, x):
-    check_tensor("output", output, dtypes=(x.dtype,), shape=(M, k, SN), legend="[M, k, S*N] in x's dtype")
-    if output.device != x.device:
-        raise ValueError(f"output: is on {output.device} but x is on {x.device}")
-    if output.stride(2) != 1 or output.stride(0) != k * output.stride(1):
-        raise ValueError("output: must have contiguous (token, slot) rows and columns "
-                         f"(strides {tuple(output.stride())}); pass output.contiguous() or a fresh buffer")
-
-
-def _check_blocks(alignment, num_pairs, device):
-    if not isinstance(alignment, BlockList):
-        raise TypeError(f"alignment: expected a BlockList from moelora_lab.block_list(...), "
-                        f"got {type(alignment).__name__}")
-    bs = alignment.block_size
-    if alignment.sorted_pairs.numel() != alignment.num_blocks * bs or alignment.sorted_pairs.device != device:
-        raise ValueError("alignment: malformed BlockList or on another device than x; rebuild it with block_list()")
-    if bs < 16 or bs & (bs - 1):
-        raise ValueError(f"alignment: block size {bs} is not a power of two >= 16 (tl.dot needs 16 rows)")
-    return bs
-
-
 def moe_lora(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, *, path: str = "auto",
              mul_routed_weight: bool = False, output: torch.Tensor | None = None, add_inputs: bool = True,
-             alignment: BlockList | None = None, config: KernelConfig | None = None,
-             enabled: torch.Tensor | None = None, lora_ranks: torch.Tensor | None = None) -> torch.Tensor:
+             blocks: BlockList | None = None, config: KernelConfig | None = None,
+             enabled: torch.Tensor | None = None, lora_ranks: torch.Tensor | None = None,
+             validate: bool = True) -> torch.Tensor:
     """LoRA delta of every routed pair, added into (or written to) ``output`` [M, k, S*N].
 
-    path: 'naive' (PyTorch reference), 'two_kernel', 'one_shot', 'small_batch' or 'auto'.
-    alignment: a :class:`BlockList` to reuse (e.g. computed once for w13 and w2 of a layer).
-    config: a :class:`KernelConfig`; by default one is chosen from the shapes and the device.
-    enabled: optional bool [L]: slots marked False are treated as "no adapter".
-    lora_ranks: optional int [L], the actual rank of each slot (<= r): the Triton paths read only
-        that many rows of A and columns of B, so a rank-8 adapter in a rank-64 slot does not pay
-        for 64. Weights past a slot's rank are never read (they need not even be zero).
+    Parameters
+    ----------
+    x : torch.Tensor
+        [M, K] token rows (every slot of a token reads its row: the w13 input) or [M*k, K] pair rows
+        (the w2 input); float32, float16 or bfloat16.
+    topk_ids : torch.Tensor
+        [M, k] int32/int64 expert of each (token, slot) pair, in [0, E).
+    topk_weights : torch.Tensor or None
+        [M, k] routing weights (float); read only with ``mul_routed_weight``.
+    token_lora : torch.Tensor
+        [M] int32/int64 adapter slot of each token in [0, L); -1 = no adapter (its rows are left alone).
+    lora_a, lora_b : list of torch.Tensor
+        One tensor per slice (2 for w13's gate and up, 1 for w2): A [L, E, r, K] and B [L, E, N, r],
+        in x's dtype, scaling alpha/r folded into B; B may be packed N-fastest (:func:`pack_lora_b`).
+    path : str
+        'auto' (the measured rule), or a name of ``moelora_lab.PATHS``: 'reference', 'two_kernel',
+        'one_shot', 'small_batch'.
+    mul_routed_weight : bool
+        Scale each pair's delta by its routing weight (w2's LoRA does, w13's does not).
+    output : torch.Tensor, optional
+        [M, k, S*N] in x's dtype, rows contiguous, not sharing memory with any input; a zero-filled
+        one is allocated when omitted.
+    add_inputs : bool
+        True: add into ``output``; False: overwrite the rows of pairs with an adapter. Rows of tokens
+        without an adapter are never touched.
+    blocks : BlockList, optional
+        Routing metadata from :func:`moelora_lab.block_list` to reuse (e.g. for w13 and w2 of one
+        layer); it must have been built from these very ``topk_ids`` and ``token_lora``, unchanged.
+    config : KernelConfig, optional
+        Tiles; chosen from the shapes and the device by default.
+    enabled : torch.Tensor, optional
+        [L] bool: slots marked False are treated as "no adapter".
+    lora_ranks : torch.Tensor, optional
+        [L] int: the actual rank of each slot (<= r); the Triton paths read only that many rows of A
+        and columns of B (weights past it are never read). Rank 0 (a slot, or r itself) adds nothing.
+    validate : bool
+        False skips the id-range checks (one device synchronisation per call) for ids you have
+        checked; shapes, dtypes, devices and reused ``blocks`` are always checked.
+
+    Returns
+    -------
+    torch.Tensor
+        ``output``.
     """
-    check_choice("path", path, PATHS)
-    M, k, L, E, R, K, N, S = _check_op_inputs(x, topk_ids, topk_weights, token_lora, lora_a, lora_b)
+    M, k, L, E, R, K, N, S = check_op_inputs(x, topk_ids, topk_weights, token_lora, lora_a, lora_b,
+                                             mul_routed_weight=mul_routed_weight, values=False)
     if lora_a[0].dtype != x.dtype:
         raise TypeError(f"lora_a[0]: dtype {lora_a[0].dtype} must equal x's dtype {x.dtype}; cast the weights once")
     if config is not None and not isinstance(config, KernelConfig):
         raise TypeError(f"config: expected a KernelConfig, got {type(config).__name__}")
-    if enabled is not None:
-        check_tensor("enabled", enabled, dtypes=(torch.bool,), shape=(L,), legend="[L] bool, one flag per slot")
-        token_lora = torch.where(token_lora >= 0, token_lora, 0)
-        token_lora = torch.where(enabled.to(x.device)[token_lora.long()] & (token_lora >= 0), token_lora, -1)
-    if lora_ranks is not None:
-        check_tensor("lora_ranks", lora_ranks, dtypes=INDEX_DTYPES, shape=(L,), legend="[L] actual rank per slot")
-        check_range("lora_ranks", lora_ranks, 0, R + 1, f"ranks of a rank-{R} slot")
-        lora_ranks = lora_ranks.to(device=x.device, dtype=torch.int32).contiguous()
-    num_pairs = M * k
-    if alignment is not None:
-        block_m = _check_blocks(alignment, num_pairs, x.device)
+    check_enabled(enabled, L)
+    ranges = check_lora_ranks(lora_ranks, L, R)
+    checked = False
+    if blocks is not None:
+        block_m = check_blocks(blocks, topk_ids, token_lora, E, L)
+        checked = blocks.routing.values_checked
         if config is not None and config.block_m != block_m:
-            raise ValueError(f"config.block_m={config.block_m} differs from the alignment's block size {block_m}")
+            raise ValueError(f"config.block_m={config.block_m} differs from the blocks' block size {block_m}")
     if output is None:
         output = torch.zeros(M, k, S * N, dtype=x.dtype, device=x.device)
     else:
-        _check_output(output, M, k, S * N, x)
+        check_output(output, M, k, S * N, x, topk_ids=topk_ids, topk_weights=topk_weights, token_lora=token_lora,
+                     lora_a=lora_a, lora_b=lora_b, enabled=enabled, lora_ranks=lora_ranks)
+    token_rows = not (x.shape[0] == M * k and k > 1)
+    path = resolve_path(path, num_pairs=M * k, num_experts=E, num_loras=L, rank=R, add_inputs=add_inputs,
+                        token_rows=token_rows)
+    if validate:
+        check_values(ranges + ([] if checked else routing_ranges(topk_ids, token_lora, E, L)))
     if M == 0:
         return output
-    if path == "auto":
-        path = choose_path(num_pairs, E, L, R)
-    if path == "naive":
-        if lora_ranks is not None:                       # the spec on weights cut to each slot's rank
-            keep = torch.arange(R, device=x.device)[None, :] < lora_ranks[:, None]       # [L, r]
-            lora_a = [torch.where(keep[:, None, :, None], w, torch.zeros_like(w)) for w in lora_a]
-            lora_b = [torch.where(keep[:, None, None, :], w, torch.zeros_like(w)) for w in lora_b]
-        delta = moe_lora_reference(x, topk_ids, topk_weights, token_lora, lora_a, lora_b,
-                                   mul_routed_weight=mul_routed_weight)
-        owned = (token_lora >= 0).view(M, 1, 1)
-        new = delta + output.float() if add_inputs else delta
-        output.copy_(torch.where(owned, new.to(x.dtype), output))
-        return output
-    if x.device.type != "cuda" and not INTERPRET:
+    if PATHS[path].triton and x.device.type != "cuda" and not INTERPRET:
         raise ValueError(f"x: the Triton paths need CUDA tensors (got {x.device}); set MOELORA_INTERPRET=1 "
-                         "before importing moelora_lab to run them on the CPU, or use path='naive'")
-    if INTERPRET and x.dtype == torch.bfloat16:                    # the interpreter mis-computes bf16
+                         "before importing moelora_lab to run them on the CPU, or use path='reference'")
+    if PATHS[path].triton and INTERPRET and x.dtype == torch.bfloat16:    # the interpreter mis-computes bf16
         out32 = output.float()
         moe_lora(x.float(), topk_ids, topk_weights, token_lora, [w.float() for w in lora_a],
                  [w.float() for w in lora_b], path=path, mul_routed_weight=mul_routed_weight, output=out32,
-                 add_inputs=add_inputs, alignment=alignment, config=config, lora_ranks=lora_ranks)
+                 add_inputs=add_inputs, blocks=blocks, config=config, enabled=enabled, lora_ranks=lora_ranks,
+                 validate=False)
         return output.copy_(out32)
 
-    if alignment is None and path != "small_batch":
-        cfg = config or choose_config(path, num_pairs, min(num_pairs, L * E), N, S, x.device, rank=R)
-        alignment = make_blocks(topk_ids, token_lora, E, L, cfg.block_m)
-    run_lora(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, output, alignment, path, config,
-             mul_routed_weight=mul_routed_weight, add_inputs=add_inputs, lora_ranks=lora_ranks)
+    with on_device(x):
+        if lora_ranks is not None:
+            lora_ranks = lora_ranks.to(device=x.device, dtype=torch.int32).contiguous()
+        if enabled is not None:                     # disabled slots become "no adapter"; -1 stays -1
+            enabled = enabled.to(x.device)
+            on = (token_lora >= 0) & enabled[token_lora.clamp(min=0).long()]
+            token_lora = torch.where(on, token_lora, torch.full_like(token_lora, -1))
+            if blocks is not None:
+                blocks = blocks.with_slots_disabled(enabled)
+        if blocks is None and PATHS[path].uses_blocks:
+            cfg = config or choose_config(path, M * k, min(M * k, L * E), N, S, x.device, rank=R)
+            blocks = make_blocks(topk_ids, token_lora, E, L, cfg.block_m, values_checked=validate)
+        run_lora(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, output, blocks, path, config,
+                 mul_routed_weight=mul_routed_weight, add_inputs=add_inputs, lora_ranks=lora_ranks)
     return output
 
 
 def run_lora(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, output, blocks, path, config=None, *,
              mul_routed_weight=False, add_inputs=True, lora_ranks=None):
-    """Launch one Triton path on inputs that were already validated (no host synchronisation).
+    """Launch one path (a key of ``PATHS``) on inputs that were already validated (no host sync).
 
-    ``blocks`` is the :class:`BlockList` for 'one_shot' / 'two_kernel' (ignored by 'small_batch');
-    ``config=None`` picks tiles from the shapes. Used by :func:`moe_lora` and by the layer, which
-    validates once and shares one BlockList between w13 and w2.
+    ``blocks`` is the :class:`BlockList` for paths that use one; ``config=None`` picks tiles from the
+    shapes. Used by :func:`moe_lora` and by the layer, which validates once and shares one BlockList
+    between w13 and w2. Rank 0 is the zero delta on every path.
     """
-    M, k = topk_ids.shape
-    L, E, R, K = lora_a[0].shape
-    N, S = lora_b[0].shape[2], len(lora_a)
-    num_pairs = M * k
-    token_rows = not (x.shape[0] == num_pairs and k > 1)
-    weights = topk_weights.reshape(-1).float().contiguous()
-    out2d = output.view(num_pairs, S * N)
-    kw = dict(top_k=k, token_rows=token_rows, mul=mul_routed_weight, add=add_inputs, ranks=lora_ranks)
-    if path == "small_batch":
-        cfg = config or choose_config(path, num_pairs, num_pairs, N, S, x.device, rank=R)
-        _launch_small_batch(x, lora_a, lora_b, out2d, weights, topk_ids.reshape(-1).to(torch.int32).contiguous(),
-                            token_lora.to(torch.int32).contiguous(), cfg, **kw)
-        return
-    cfg = config or choose_config(path, num_pairs, min(num_pairs, L * E), N, S, x.device, rank=R)
-    cfg = cfg.replace(block_m=blocks.block_size)
-    launch = _launch_one_shot if path == "one_shot" else _launch_two_kernel
-    launch(x, lora_a, lora_b, out2d, weights, blocks, cfg, **kw)
+    call = LoRACall(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, output, blocks, lora_ranks,
+                    mul_routed_weight, add_inputs)
+    if lora_a[0].shape[2] == 0:                       # rank 0: nothing to add; owned rows get zeros
+        if not add_inputs:
+            owned = (token_lora >= 0).view(-1, 1, 1)
+            output.masked_fill_(owned, 0)
+        return None
+    return PATHS[path].launch(call, config)

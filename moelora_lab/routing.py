@@ -20,7 +20,8 @@ from typing import NamedTuple
 
 import torch
 
-from ._checks import INDEX_DTYPES, check_int, check_range, check_same_device, check_tensor
+from .blocks import BlockList, RoutingStamp
+from .validate import check_int, check_routing, check_tensor
 
 SPARSITY_FACTOR = 8  # naive assignment when pairs * 8 <= E * L (vLLM's rule)
 
@@ -74,21 +75,8 @@ def use_naive_assignment(num_pairs: int, num_experts: int, num_loras: int) -> bo
     return num_pairs * SPARSITY_FACTOR <= num_experts * num_loras
 
 
-def check_routing(topk_ids, token_lora, num_experts: int, num_loras: int, topk_weights=None) -> None:
-    """Validate the routing tensors shared by every public op."""
-    check_tensor("topk_ids", topk_ids, ndim=2, dtypes=INDEX_DTYPES, legend="[M, k]")
-    M = topk_ids.shape[0]
-    check_tensor("token_lora", token_lora, dtypes=INDEX_DTYPES, shape=(M,), legend="[M] (one adapter slot per token)")
-    check_same_device(topk_ids=topk_ids, token_lora=token_lora, topk_weights=topk_weights)
-    if topk_weights is not None:
-        check_tensor("topk_weights", topk_weights, dtypes=(torch.float32, torch.float16, torch.bfloat16),
-                     shape=tuple(topk_ids.shape), legend="[M, k] (same shape as topk_ids)")
-    check_range("topk_ids", topk_ids, 0, num_experts, f"experts of a {num_experts}-expert layer")
-    check_range("token_lora", token_lora, -1, num_loras, f"-1 = no adapter, else a slot of {num_loras}")
-
-
-def _group_pairs(topk_ids, token_lora, num_experts: int, num_loras: int, block_size: int):
-    """Validate, then sort pairs by group g = l*E + e (g = L*E: no adapter), keeping pair order.
+def _group_pairs(topk_ids, token_lora, num_experts: int, num_loras: int, block_size: int, validate: bool = True):
+    """Validate (``validate=False``: shapes only), then sort pairs by group g = l*E + e (g = L*E: no adapter), keeping pair order.
 
     Returns (order [n]: pair ids in sorted order; group [n]: their group, 0 where ``valid`` is
     False; valid [n]: the pair has an adapter; rank [n]: position inside its group; counts [L*E]).
@@ -96,7 +84,7 @@ def _group_pairs(topk_ids, token_lora, num_experts: int, num_loras: int, block_s
     check_int("num_experts", num_experts, low=1)
     check_int("num_loras", num_loras, low=1)
     check_int("block_size", block_size, low=1)
-    check_routing(topk_ids, token_lora, num_experts, num_loras)
+    check_routing(topk_ids, token_lora, num_experts, num_loras, values=validate)
     E, L, k = num_experts, num_loras, topk_ids.shape[1]
     pair_lora = token_lora.long().repeat_interleave(k)                      # [n]
     key = torch.where(pair_lora >= 0, pair_lora * E + topk_ids.reshape(-1).long(),
@@ -160,41 +148,20 @@ def align_block_size_loop(topk_ids, token_lora, num_experts: int, num_loras: int
     return Alignment(sorted_ids, expert_ids, ntpp)
 
 
-class BlockList(NamedTuple):
-    """All adapters' blocks in one flat list: what the Triton kernels consume.
-
-    The same grouping as :class:`Alignment`, with every (adapter, expert) segment laid end to end
-    ("virtual experts" v = l*E + e), so the grid is sized from the real work rather than from
-    L rows of worst-case padding:
-        sorted_pairs [B * block_size] int32  pair ids, sentinel M*k in padding and unused blocks
-        block_lora   [B] int32               adapter of each block, -1 for unused blocks
-        block_expert [B] int32               expert of each block, -1 for unused blocks
-    B = floor(M*k / block_size) + min(L*E, M*k) bounds the blocks any routing can need and depends
-    only on shapes, so the grid stays fixed under CUDA-graph capture.
-    """
-
-    sorted_pairs: torch.Tensor
-    block_lora: torch.Tensor
-    block_expert: torch.Tensor
-
-    @property
-    def block_size(self) -> int:
-        return self.sorted_pairs.numel() // max(self.block_lora.numel(), 1)
-
-    @property
-    def num_blocks(self) -> int:
-        return self.block_lora.numel()
-
-
 def max_blocks(num_pairs: int, num_experts: int, num_loras: int, block_size: int) -> int:
     """Upper bound on the blocks of a BlockList: full blocks plus one partial block per group."""
     return max(1, num_pairs // block_size + min(num_experts * num_loras, num_pairs))
 
 
 def block_list(topk_ids: torch.Tensor, token_lora: torch.Tensor, num_experts: int, num_loras: int,
-               block_size: int) -> BlockList:
-    """Group pairs by (adapter, expert), pad each group to ``block_size`` and list the blocks."""
-    order, group, valid, rank, counts = _group_pairs(topk_ids, token_lora, num_experts, num_loras, block_size)
+               block_size: int, *, validate: bool = True) -> BlockList:
+    """Group pairs by (adapter, expert), pad each group to ``block_size`` and list the blocks.
+
+    The result remembers the routing it was built for (see :class:`BlockList`); ``validate=False``
+    skips the id-range checks (one device synchronisation) for ids checked already.
+    """
+    order, group, valid, rank, counts = _group_pairs(topk_ids, token_lora, num_experts, num_loras, block_size,
+                                                     validate)
     M, k = topk_ids.shape
     E, L, bs, dev = num_experts, num_loras, block_size, topk_ids.device
     n = M * k
@@ -213,4 +180,19 @@ def block_list(topk_ids: torch.Tensor, token_lora: torch.Tensor, num_experts: in
     owner = torch.where(used, owner, torch.zeros_like(owner))
     none = torch.full_like(owner, -1)
     return BlockList(pairs[: B * bs], torch.where(used, owner // E, none).to(torch.int32),
-                     torch.where(used, owner % E, none).to(torch.int32))
+                     torch.where(used, owner % E, none).to(torch.int32),
+                     RoutingStamp.of(topk_ids, token_lora, E, L, bs, values_checked=validate))
+
+
+def naive_block_list(topk_ids: torch.Tensor, token_lora: torch.Tensor, num_experts: int, num_loras: int,
+                     block_size: int, *, validate: bool = True) -> BlockList:
+    """One block per pair (the naive assignment): row 0 holds the pair, the others are padding."""
+    check_int("block_size", block_size, low=1)
+    M, k = check_routing(topk_ids, token_lora, num_experts, num_loras, values=validate)
+    n, dev = M * k, topk_ids.device
+    pairs = torch.full((n, block_size), n, dtype=torch.int32, device=dev)
+    pairs[:, 0] = torch.arange(n, dtype=torch.int32, device=dev)
+    lora = token_lora.to(torch.int32).repeat_interleave(k)
+    expert = torch.where(lora >= 0, topk_ids.reshape(-1).to(torch.int32), torch.full_like(lora, -1))
+    stamp = RoutingStamp.of(topk_ids, token_lora, num_experts, num_loras, block_size, values_checked=validate)
+    return BlockList(pairs.view(-1), lora, expert, stamp)

@@ -127,7 +127,7 @@ def test_plan_is_reused_and_validated(device):
         plan_layer(p.topk_ids, p.token_lora.clamp(min=0) * 0 + 2, SHAPE.num_experts, 2, 8)
     with pytest.raises(TypeError, match="plan: expected a LayerPlan"):
         moe_lora_layer(**p.layer_inputs(), plan="plan")
-    with pytest.raises(TypeError, match="plan: made for another schedule than this call's \\('sequential'\\)"):
+    with pytest.raises(ValueError, match="plan: made for a layer without LoRA, but this call is with 3 adapters"):
         moe_lora_layer(**p.layer_inputs(), plan=base_plan, schedule="sequential")
     fused_plan = plan_layer(p.topk_ids, p.token_lora, SHAPE.num_experts, 3, 8, schedule="fused")
     assert fused_plan.lora_blocks is None and fused_plan.lora_path == "in_gemm"

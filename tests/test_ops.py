@@ -4,7 +4,8 @@ import torch
 
 import moelora_lab as ml
 from moelora_lab.dispatch import KernelConfig
-from moelora_lab.ops import moe_lora, naive_block_list
+from moelora_lab.ops import moe_lora
+from moelora_lab.routing import naive_block_list
 from moelora_lab.routing import block_list
 from utils import assert_close, lora_case, poisoned
 
@@ -93,9 +94,9 @@ def test_rank_tiles_are_chosen_wide():
     assert KernelConfig(block_r=32).rank_tiling(100) == (32, 4)
 
 
-@pytest.mark.parametrize("path", KERNEL_PATHS + ["naive"])
+@pytest.mark.parametrize("path", KERNEL_PATHS + ["reference"])
 def test_edge_cases(device, path):
-    cfg = None if path == "naive" else small_tiles(device)
+    cfg = None if path == "reference" else small_tiles(device)
     # M = 1, every expert but the routed ones empty
     p = lora_case(1, device=device, seed=3)
     ref = ml.moe_lora_reference(**p.w13_lora_inputs())
@@ -113,13 +114,13 @@ def test_edge_cases(device, path):
     assert torch.equal(out, init)
 
 
-@pytest.mark.parametrize("path", KERNEL_PATHS + ["naive"])
+@pytest.mark.parametrize("path", KERNEL_PATHS + ["reference"])
 def test_disabled_slots_act_as_no_adapter(device, path):
     p = lora_case(12, device=device, seed=6, loras=3)
     enabled = torch.tensor([True, False, True], device=device)
     masked = torch.where(p.token_lora == 1, -1, p.token_lora)
     ref = ml.moe_lora_reference(p.x, p.topk_ids, p.topk_weights, masked, p.w13_lora_a, p.w13_lora_b)
-    cfg = None if path == "naive" else small_tiles(device)
+    cfg = None if path == "reference" else small_tiles(device)
     out = moe_lora(**p.w13_lora_inputs(), path=path, enabled=enabled, config=cfg,
                    output=poisoned(ref.shape, torch.float32, device), add_inputs=False)
     rows = (masked >= 0).view(-1, 1, 1).expand_as(out)
@@ -134,12 +135,12 @@ def test_shared_alignment_and_naive_blocks(device):
     blocks = block_list(p.topk_ids, p.token_lora, E, L, 16)
     cfg = small_tiles(device)
     ref13 = ml.moe_lora_reference(**p.w13_lora_inputs())
-    assert_close(moe_lora(**p.w13_lora_inputs(), path="one_shot", alignment=blocks, config=cfg), ref13, torch.float32)
+    assert_close(moe_lora(**p.w13_lora_inputs(), path="one_shot", blocks=blocks, config=cfg), ref13, torch.float32)
     args = w2_args(p, device, torch.float32)
     ref2 = ml.moe_lora_reference(*args, mul_routed_weight=True)
-    for al in (blocks, naive_block_list(p.topk_ids, p.token_lora, 16)):
+    for al in (blocks, naive_block_list(p.topk_ids, p.token_lora, E, L, 16)):
         for path in ("one_shot", "two_kernel"):
-            out = moe_lora(*args, path=path, alignment=al, mul_routed_weight=True, config=cfg)
+            out = moe_lora(*args, path=path, blocks=al, mul_routed_weight=True, config=cfg)
             assert_close(out, ref2, torch.float32)
 
 
@@ -162,12 +163,12 @@ def _args(device="cpu"):
 
 
 @pytest.mark.parametrize("change, exc, match", [
-    (dict(path="fast"), ValueError, "path: 'fast' is not one of 'naive', 'two_kernel', 'one_shot'"),
+    (dict(path="fast"), ValueError, "path: 'fast' is not one of 'reference', 'two_kernel', 'one_shot'"),
     (dict(output=torch.zeros(4, 2, 79)), ValueError, "output: expected shape \\(4, 2, 80\\)"),
     (dict(output=torch.zeros(4, 2, 80, dtype=torch.float16)), TypeError, "output: dtype torch.float16"),
     (dict(output=torch.zeros(4, 80, 2).transpose(1, 2)), ValueError, "output: must have contiguous"),
     (dict(config=dict(block_m=16)), TypeError, "config: expected a KernelConfig"),
-    (dict(alignment=(1, 2, 3)), TypeError, "alignment: expected a BlockList"),
+    (dict(blocks=(1, 2, 3)), TypeError, "blocks: expected a BlockList"),
     (dict(enabled=torch.ones(2, dtype=torch.bool)), ValueError, "enabled: expected shape \\(3,\\)"),
 ])
 def test_validation(change, exc, match):
@@ -181,16 +182,16 @@ def test_validation_weights_and_blocks():
     with pytest.raises(TypeError, match="lora_a\\[0\\]: dtype torch.float16 must equal x's dtype"):
         moe_lora(**(kw | dict(lora_a=[w.half() for w in p.w13_lora_a], lora_b=[w.half() for w in p.w13_lora_b])))
     bad = block_list(p.topk_ids, p.token_lora, 8, 3, 8)
-    with pytest.raises(ValueError, match="alignment: block size 8 is not a power of two >= 16"):
-        moe_lora(**kw, alignment=bad, path="one_shot")
+    with pytest.raises(ValueError, match="blocks: block size 8 is not a power of two >= 16"):
+        moe_lora(**kw, blocks=bad, path="one_shot")
     good = block_list(p.topk_ids, p.token_lora, 8, 3, 16)
-    with pytest.raises(ValueError, match="config.block_m=32 differs from the alignment's block size 16"):
-        moe_lora(**kw, alignment=good, path="one_shot", config=KernelConfig(block_m=32))
+    with pytest.raises(ValueError, match="config.block_m=32 differs from the blocks' block size 16"):
+        moe_lora(**kw, blocks=good, path="one_shot", config=KernelConfig(block_m=32))
     with pytest.raises(ValueError, match="KernelConfig.block_n: must be a power of two >= 16, got 48"):
         KernelConfig(block_n=48)
 
 
-@pytest.mark.parametrize("path", KERNEL_PATHS + ["naive"])
+@pytest.mark.parametrize("path", KERNEL_PATHS + ["reference"])
 @pytest.mark.parametrize("slices", [2, 1])
 def test_packed_lora_b_gives_the_same_delta(device, path, slices):
     """pack_lora_b changes only B's memory order (N fastest): every path reads it through its strides."""
@@ -226,7 +227,7 @@ def test_bf16_on_the_interpreter_is_computed_in_fp32():
     assert_close(out, ref, torch.bfloat16)
 
 
-@pytest.mark.parametrize("path", KERNEL_PATHS + ["naive"])
+@pytest.mark.parametrize("path", KERNEL_PATHS + ["reference"])
 def test_actual_adapter_ranks_skip_the_padding(device, path):
     """With lora_ranks, weights past each slot's rank are never read: fill them with NaN to prove it."""
     ranks = (4, 40, 0)
@@ -240,7 +241,7 @@ def test_actual_adapter_ranks_skip_the_padding(device, path):
             w[slot, :, r:] = float("nan")
         for w in poison_b:
             w[slot, :, :, r:] = float("nan")
-    cfg = None if path == "naive" else small_tiles(device, max_block_r=16)       # several rank tiles
+    cfg = None if path == "reference" else small_tiles(device, max_block_r=16)       # several rank tiles
     out = moe_lora(p.x, p.topk_ids, p.topk_weights, p.token_lora, poison_a, poison_b, path=path, config=cfg,
                    lora_ranks=torch.tensor(ranks, device=device), add_inputs=False,
                    output=poisoned(ref.shape, p.x.dtype, device))

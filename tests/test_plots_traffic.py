@@ -129,7 +129,7 @@ def test_bytes_breakdown_auto_unit_and_unknown_parts():
 
 
 def test_bytes_breakdown_naive_shows_the_weight_copies():
-    rows = traffic_table(SMALL, 4, "w2", [3], paths=("naive", "one_shot"))
+    rows = traffic_table(SMALL, 4, "w2", [3], paths=("gather_bmm", "one_shot"))
     ax = axes()
     draw_bytes_breakdown(ax, {r["path"]: r["traffic"] for r in rows})
     legend = [t.get_text() for t in ax.get_legend().get_texts()]

@@ -120,7 +120,7 @@ def test_small_batch_and_naive(wl):
     assert (sb.bytes_read, sb.bytes_written, sb.launches) == (32 + 384 + 64, 64, 1)
     # (0, 1) is shared by two pairs, so per-pair weight reads exceed the one-shot reads by 1*48*2 = 96
     assert sb.bytes - lora_op_traffic("one_shot", wl, **OP).bytes == 96
-    nv = lora_op_traffic("naive", wl, **OP)
+    nv = lora_op_traffic("gather_bmm", wl, **OP)
     # reads: x 32 + gather 384 + copy read 384 + fp32 intermediate 4*2*2*4 = 64 + out 64 = 928
     # writes: copy 384 + intermediate 64 + out 64 = 512; launches 4*S + 1 = 9
     assert (nv.bytes_read, nv.bytes_written, nv.flops, nv.launches) == (928, 512, 416, 9)
@@ -148,7 +148,7 @@ def test_traffic_add_and_floor():
 
 
 def test_lora_op_errors(wl):
-    with pytest.raises(ValueError, match="path: 'fused' is not one of 'naive', 'two_kernel', 'one_shot', 'small_batch'"):
+    with pytest.raises(ValueError, match="path: 'fused' is not one of 'two_kernel', 'one_shot', 'small_batch', 'gather_bmm'"):
         lora_op_traffic("fused", wl, **OP)
     with pytest.raises(ValueError, match="x_rows: 'tokens' is not one of 'token', 'pair'"):
         lora_op_traffic("one_shot", wl, **OP, x_rows="tokens")
@@ -191,8 +191,8 @@ def test_layer_traffic_without_lora_and_errors(wl):
     assert list(st) == ["base_w13", "act", "base_w2", "sum", "total", "floor"]
     # 480 + 96 + 288 + 96 = 960; floor 32 + 576 + 32 = 640
     assert (st["total"].bytes, st["floor"].bytes) == (960, 640)
-    nv = layer_traffic(SHAPE, 2, wl, lora_path="naive")
-    assert nv["lora_w13"] == lora_op_traffic("naive", wl, **OP)
+    nv = layer_traffic(SHAPE, 2, wl, lora_path="gather_bmm")
+    assert nv["lora_w13"] == lora_op_traffic("gather_bmm", wl, **OP)
     with pytest.raises(ValueError, match="workload: top_k is 2 but shape.top_k is 3"):
         layer_traffic(SimpleNamespace(hidden=8, intermediate=4, num_experts=4, top_k=3), 2, wl)
     with pytest.raises(TypeError, match="shape: expected an object with .*missing 'hidden'"):

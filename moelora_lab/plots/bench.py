@@ -12,7 +12,7 @@ PATH_STYLE = {
     "one_shot": dict(color="#1f77b4", marker="o", label="one-shot (T in registers)"),
     "small_batch": dict(color="#2ca02c", marker="^", label="small-batch (GEMV)"),
     "auto": dict(color="black", marker="", linestyle=":", label="auto (dispatcher)"),
-    "naive": dict(color="#7f7f7f", marker="x", label="naive (PyTorch)"),
+    "gather_bmm": dict(color="#7f7f7f", marker="x", label="gather + bmm (PyTorch, modelled)"),
 }
 
 

@@ -210,7 +210,7 @@ def join_traffic(shape, num_tokens: int, join: str, *, tokens_with_adapter: int 
     fold   the activation reads d13 and the top-k sum reads d2 for the P_a pairs with an adapter
            (P_a*2I*b + P_a*H*b); no launch of its own.
     """
-    from .._checks import check_choice, check_int
+    from ..validate import check_choice, check_int
     from ..profile.traffic import Traffic
 
     check_choice("join", join, ("fold", "vllm"))

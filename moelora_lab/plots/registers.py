@@ -14,7 +14,7 @@ import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
 from matplotlib.patches import Rectangle
 
-from .._checks import check_choice, check_int, check_rows
+from ..validate import check_choice, check_int, check_rows
 from ..dispatch import KernelConfig
 from ..profile.report import WARPS_PER_SM
 from .bench import PATH_STYLE, plot_band

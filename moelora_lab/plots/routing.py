@@ -16,7 +16,7 @@ from matplotlib.axes import Axes
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-from .._checks import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_range, check_tensor
+from ..validate import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_range, check_tensor
 from ..routing import Alignment
 from .routing_data import _check_alignment, _check_list, _last_naive_tokens, find_crossover, padding_stats
 

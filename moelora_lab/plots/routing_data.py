@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from .._checks import INDEX_DTYPES, check_int, check_range, check_tensor
+from ..validate import INDEX_DTYPES, check_int, check_range, check_tensor
 from ..config import LoRAShape, MoEShape, make_problem
 from ..routing import Alignment, align_block_size, use_naive_assignment
 

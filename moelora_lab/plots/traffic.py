@@ -15,7 +15,7 @@ from matplotlib.axes import Axes
 from matplotlib.patches import Patch
 from matplotlib.ticker import NullLocator
 
-from .._checks import check_choice, check_int, check_rows
+from ..validate import check_choice, check_int, check_rows
 from ..config import MoEShape, make_routing
 from ..profile.traffic import LORA_PATHS, Traffic, Workload, count_workload, lora_op_traffic
 from .bench import PATH_STYLE, select

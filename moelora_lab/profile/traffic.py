@@ -13,9 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .._checks import INDEX_DTYPES, check_choice, check_int, check_range, check_tensor
+from ..paths import TRITON_PATHS
+from ..validate import INDEX_DTYPES, check_choice, check_int, check_range, check_tensor
 
-LORA_PATHS = ("naive", "two_kernel", "one_shot", "small_batch")
+# the Triton paths of ``paths.PATHS`` plus a modelled PyTorch baseline (gather each pair's weights, then bmm)
+LORA_PATHS = TRITON_PATHS + ("gather_bmm",)
 X_ROWS = ("token", "pair")
 
 
@@ -176,7 +178,7 @@ def lora_op_traffic(
     two_kernel  weights T*W1*b; intermediate [S, M, k, r] of bi = intermediate_bytes or b:
                 zero-fill S*M*k*r*bi, shrink writes P*S*r*bi, expand reads P*S*r*bi; 3 launches.
     small_batch one program per pair, weights P*W1*b, 1 launch.
-    naive       gather + bmm: weights read P*W1*b, per-pair copy written P*W1*b and read again
+    gather_bmm  (a PyTorch baseline, not a path of the op) gather + bmm: weights read P*W1*b, per-pair copy written P*W1*b and read again
                 P*W1*b; fp32 intermediate (bi = intermediate_bytes or 4) written and read P*S*r*bi.
                 Launches 4*S + 1: one to build the per-pair weight index, then per slice a
                 gather of A, a gather of B, the shrink bmm and the expand baddbmm (add fused).
@@ -212,7 +214,7 @@ def lora_op_traffic(
         ]
         reads.append(("intermediate_read", p * s * r * bi))
         launches = 3
-    elif path == "naive":
+    elif path == "gather_bmm":
         bi = intermediate_bytes or 4
         writes += [
             ("lora_a_copy_write", p * a_elems * b),

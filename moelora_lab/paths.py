@@ -1,0 +1,242 @@
+"""The table of LoRA paths: one entry per way of computing the op, with its launcher.
+
+Shape legend: M tokens, E experts, k top-k, L adapters, r rank, K in, N out, S slices,
+P = M*k pairs, B blocks.
+
+Every path computes the same delta (see :func:`moelora_lab.moe_lora`); they differ in memory
+traffic and launches. The dispatcher, the op, the layer, the benchmarks' command-line choices and
+the README's table all read :data:`PATHS`, so adding a path means one kernel module plus one entry
+here. Launchers take inputs that were already validated and never synchronise with the device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import torch
+import triton
+
+from .blocks import BlockList
+from .dispatch import KernelConfig, choose_config, choose_path, num_sms
+from .kernels.one_shot import one_shot_kernel
+from .kernels.small_batch import small_batch_kernel
+from .kernels.two_kernel import expand_kernel, shrink_kernel
+from .reference import moe_lora_reference
+
+
+class LoRACall(NamedTuple):
+    """One validated call of the op, as every launcher receives it."""
+
+    x: torch.Tensor                  # [M, K] token rows or [P, K] pair rows
+    topk_ids: torch.Tensor           # [M, k]
+    topk_weights: torch.Tensor | None  # [M, k] (read with mul_routed_weight)
+    token_lora: torch.Tensor         # [M], -1 = no adapter (disabled slots already -1)
+    lora_a: list                     # S x [L, E, r, K]
+    lora_b: list                     # S x [L, E, N, r]
+    output: torch.Tensor             # [M, k, S*N]
+    blocks: BlockList | None         # for paths with uses_blocks
+    lora_ranks: torch.Tensor | None  # [L] int32 on x's device
+    mul_routed_weight: bool
+    add_inputs: bool
+
+    @property
+    def dims(self):
+        M, k = self.topk_ids.shape
+        L, E, R, K = self.lora_a[0].shape
+        return M, k, L, E, R, K, self.lora_b[0].shape[2], len(self.lora_a)
+
+    @property
+    def token_rows(self) -> bool:
+        M, k = self.topk_ids.shape
+        return not (self.x.shape[0] == M * k and k > 1)
+
+    def weights(self) -> torch.Tensor:
+        """[P] fp32 routing weights (the output buffer as a never-read stand-in without them)."""
+        if self.topk_weights is None:
+            return self.output
+        return self.topk_weights.reshape(-1).float().contiguous()
+
+
+@dataclass(frozen=True)
+class LoRAPath:
+    """A way to compute the op, and what it supports."""
+
+    name: str
+    launch: Callable[[LoRACall, KernelConfig | None], None]
+    summary: str                 # one line for the docs and the command-line help
+    kernels: str                 # where its code lives
+    triton: bool                 # Triton kernels: a CUDA GPU, or the interpreter on the CPU
+    uses_blocks: bool            # reads a BlockList (pairs grouped by (adapter, expert))
+    max_rank: int | None = None  # widest rank it runs; None: any
+    add_inputs: bool = True      # accumulates into the output (False: overwrite only, always supported)
+    token_rows: bool = True      # reads [M, K] token rows (pair rows [P, K] always supported)
+
+    def unsupported(self, rank: int, add_inputs: bool, token_rows: bool) -> str | None:
+        """Why this path cannot run the call (None when it can)."""
+        if self.max_rank is not None and rank > self.max_rank:
+            return f"ranks up to {self.max_rank} (this call has r={rank})"
+        if add_inputs and not self.add_inputs:
+            return "add_inputs=False only"
+        if token_rows and not self.token_rows:
+            return "pair rows [M*k, K] only"
+        return None
+
+
+def _slices(ws, s0):
+    """Pointers for a launch covering slices s0 and s0+1 (slice s0 twice when only one is left)."""
+    return ws[s0], ws[min(s0 + 1, len(ws) - 1)]
+
+
+def _precision(x) -> str:
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
+def _block_config(call: LoRACall, cfg: KernelConfig | None, path: str) -> KernelConfig:
+    M, k, L, E, R, K, N, S = call.dims
+    cfg = cfg or choose_config(path, M * k, min(M * k, L * E), N, S, call.x.device, rank=R)
+    return cfg.replace(block_m=call.blocks.block_size)
+
+
+def launch_reference(call: LoRACall, cfg: KernelConfig | None = None) -> None:
+    """The spec in PyTorch (fp32), written into the rows of pairs with an adapter."""
+    M, k, L, E, R, K, N, S = call.dims
+    lora_a, lora_b = call.lora_a, call.lora_b
+    if call.lora_ranks is not None:                        # the spec on weights cut to each slot's rank
+        keep = torch.arange(R, device=call.x.device)[None, :] < call.lora_ranks[:, None]      # [L, r]
+        lora_a = [torch.where(keep[:, None, :, None], w, torch.zeros_like(w)) for w in lora_a]
+        lora_b = [torch.where(keep[:, None, None, :], w, torch.zeros_like(w)) for w in lora_b]
+    delta = moe_lora_reference(call.x, call.topk_ids, call.topk_weights, call.token_lora, lora_a, lora_b,
+                               mul_routed_weight=call.mul_routed_weight)
+    out = call.output
+    owned = (call.token_lora >= 0).view(M, 1, 1)
+    new = delta + out.float() if call.add_inputs else delta
+    out.copy_(torch.where(owned, new.to(out.dtype), out))
+
+
+def launch_one_shot(call: LoRACall, cfg: KernelConfig | None = None):
+    """Returns the compiled kernel on a GPU (registers, spills), for ``profile.report``."""
+    x, blocks, ranks = call.x, call.blocks, call.lora_ranks
+    M, k, L, E, R, K, N, S = call.dims
+    cfg = _block_config(call, cfg, "one_shot")
+    out2d = call.output.view(M * k, S * N)
+    block_r, rank_tiles = cfg.rank_tiling(R)
+    a, b = call.lora_a[0], call.lora_b[0]
+    n_chunks = min(cfg.n_chunks, triton.cdiv(N, cfg.block_n))    # never more chunks than N tiles
+    weights = call.weights()
+    compiled = None
+    for s0 in range(0, S, 2):
+        ns = min(2, S - s0)
+        compiled = one_shot_kernel[(blocks.num_blocks, ns * n_chunks)](
+            x, *_slices(call.lora_a, s0), *_slices(call.lora_b, s0), out2d, weights, *blocks.tensors,
+            blocks.block_lora if ranks is None else ranks,
+            M * k, k, K, N, R, s0 * N,
+            x.stride(0), x.stride(1), *a.stride(), *b.stride(), out2d.stride(0), out2d.stride(1),
+            N_CHUNKS=n_chunks, BLOCK_M=blocks.block_size, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            BLOCK_R=block_r, RANK_TILES=rank_tiles, TOKEN_ROWS=call.token_rows, MUL_ROUTED_WEIGHT=call.mul_routed_weight,
+            ADD_INPUTS=call.add_inputs, DOT_PRECISION=_precision(x), HAS_RANKS=ranks is not None,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return compiled
+
+
+def launch_two_kernel(call: LoRACall, cfg: KernelConfig | None = None) -> None:
+    x, blocks, ranks = call.x, call.blocks, call.lora_ranks
+    M, k, L, E, R, K, N, S = call.dims
+    cfg = _block_config(call, cfg, "two_kernel")
+    out2d = call.output.view(M * k, S * N)
+    block_r, rank_tiles = cfg.rank_tiling(R)
+    a, b = call.lora_a[0], call.lora_b[0]
+    weights = call.weights()
+    inter = torch.zeros(S, M * k, R, dtype=x.dtype, device=x.device)   # [S, P, r] in HBM
+    for s0 in range(0, S, 2):
+        ns = min(2, S - s0)
+        t = inter[s0:s0 + ns]
+        shrink_kernel[(blocks.num_blocks, ns, rank_tiles)](
+            x, *_slices(call.lora_a, s0), t, *blocks.tensors, blocks.block_lora if ranks is None else ranks,
+            M * k, k, K, R, x.stride(0), x.stride(1), *a.stride(), *t.stride(),
+            BLOCK_M=blocks.block_size, BLOCK_K=cfg.block_k, BLOCK_R=block_r, TOKEN_ROWS=call.token_rows,
+            DOT_PRECISION=_precision(x), HAS_RANKS=ranks is not None, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
+        expand_kernel[(blocks.num_blocks, ns, triton.cdiv(N, cfg.block_n))](
+            t, *_slices(call.lora_b, s0), out2d, weights, *blocks.tensors,
+            blocks.block_lora if ranks is None else ranks, M * k, N, R, s0 * N,
+            *t.stride(), *b.stride(), out2d.stride(0), out2d.stride(1),
+            BLOCK_M=blocks.block_size, BLOCK_N=cfg.block_n, BLOCK_R=block_r,
+            MUL_ROUTED_WEIGHT=call.mul_routed_weight, ADD_INPUTS=call.add_inputs, DOT_PRECISION=_precision(x),
+            HAS_RANKS=ranks is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def launch_small_batch(call: LoRACall, cfg: KernelConfig | None = None) -> None:
+    x, ranks = call.x, call.lora_ranks
+    M, k, L, E, R, K, N, S = call.dims
+    cfg = cfg or choose_config("small_batch", M * k, M * k, N, S, x.device, rank=R)
+    out2d = call.output.view(M * k, S * N)
+    block_r, rank_tiles = cfg.rank_tiling(R)
+    block_k = max(16, min(cfg.block_k, 8192 // block_r))       # keep the [BR, BK] partial sum small
+    a, b = call.lora_a[0], call.lora_b[0]
+    n_chunks = min(cfg.n_chunks, triton.cdiv(N, cfg.block_n))
+    ids = call.topk_ids.reshape(-1).to(torch.int32).contiguous()
+    token_lora = call.token_lora.to(torch.int32).contiguous()
+    weights = call.weights()
+    for s0 in range(0, S, 2):
+        ns = min(2, S - s0)
+        work = M * k * ns * n_chunks
+        programs = min(work, cfg.programs or 2 * num_sms(x.device))
+        small_batch_kernel[(programs,)](
+            x, *_slices(call.lora_a, s0), *_slices(call.lora_b, s0), out2d, weights, ids, token_lora,
+            token_lora if ranks is None else ranks, M * k, k, K, N, R, s0 * N, work,
+            x.stride(0), x.stride(1), *a.stride(), *b.stride(), out2d.stride(0), out2d.stride(1),
+            NUM_SLICES=ns, N_CHUNKS=n_chunks, BLOCK_N=cfg.block_n, BLOCK_K=block_k, BLOCK_R=block_r,
+            RANK_TILES=rank_tiles, TOKEN_ROWS=call.token_rows, MUL_ROUTED_WEIGHT=call.mul_routed_weight,
+            ADD_INPUTS=call.add_inputs, HAS_RANKS=ranks is not None, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
+
+
+PATHS: dict[str, LoRAPath] = {p.name: p for p in (
+    LoRAPath("reference", launch_reference, "the spec in PyTorch, fp32 accumulation, one matmul per (adapter, expert)",
+             "moelora_lab/reference.py", triton=False, uses_blocks=False),
+    LoRAPath("two_kernel", launch_two_kernel, "shrink writes the rank intermediate T [S, P, r] to HBM, expand reads it "
+             "back", "moelora_lab/kernels/two_kernel.py", triton=True, uses_blocks=True),
+    LoRAPath("one_shot", launch_one_shot, "shrink into registers and expand from them: T never touches HBM; rank "
+             "tiles for any r", "moelora_lab/kernels/one_shot.py", triton=True, uses_blocks=True),
+    LoRAPath("small_batch", launch_small_batch, "a persistent per-pair GEMV for decode-sized work, no block list",
+             "moelora_lab/kernels/small_batch.py", triton=True, uses_blocks=False),
+)}
+TRITON_PATHS = tuple(name for name, p in PATHS.items() if p.triton)
+PATH_CHOICES = tuple(PATHS) + ("auto",)      # what ``moe_lora(path=...)`` accepts
+
+
+def get_path(name: str, argument: str = "path", choices: tuple = PATH_CHOICES) -> str:
+    """Check a path name against the table (a ValueError listing the accepted names otherwise)."""
+    if not isinstance(name, str) or name not in choices:
+        raise ValueError(f"{argument}: {name!r} is not one of {', '.join(repr(c) for c in choices)}")
+    return name
+
+
+def paths_markdown() -> str:
+    """The table as Markdown, for the README (a test keeps the two equal)."""
+    rows = ["| path | what it does | ranks | add_inputs | token rows | runs on | code |",
+            "|---|---|---|---|---|---|---|"]
+    for p in PATHS.values():
+        ranks = "any" if p.max_rank is None else f"<= {p.max_rank}"
+        where = "CUDA GPU, or the Triton interpreter on the CPU" if p.triton else "any torch device"
+        rows.append(f"| `{p.name}` | {p.summary} | {ranks} | {'yes' if p.add_inputs else 'no'} | "
+                    f"{'yes' if p.token_rows else 'no'} | {where} | `{p.kernels}` |")
+    return "\n".join(rows)
+
+
+def resolve_path(path: str, *, num_pairs: int, num_experts: int, num_loras: int, rank: int, add_inputs: bool,
+                 token_rows: bool) -> str:
+    """The path a call runs: ``auto`` follows the measured rule (``dispatch.choose_path``) among the
+    paths that support the call; an explicit path must support it (a ValueError says why not)."""
+    get_path(path)
+    if path == "auto":
+        preferred = choose_path(num_pairs, num_experts, num_loras, rank)
+        order = [preferred] + [n for n in TRITON_PATHS if n != preferred]
+        for name in order:
+            if PATHS[name].unsupported(rank, add_inputs, token_rows) is None:
+                return name
+        return "reference"
+    why = PATHS[path].unsupported(rank, add_inputs, token_rows)
+    if why:
+        raise ValueError(f"path: {path!r} supports {why}; use path='auto' to pick one that runs this call")
+    return path

@@ -1,0 +1,375 @@
+"""Input validation: the one module every public entry point (the spec, the op, the layer,
+the routing helpers and the plots) checks its inputs with.
+
+Shape legend: M tokens, E experts, k top-k, L adapters, r rank, K in, N out, S slices,
+H hidden, I expert intermediate.
+
+Errors are for users: each message names the argument, what was given and what is accepted.
+Shapes, dtypes, devices, memory overlap and reused routing metadata are checked on the host for
+free. Value checks that read tensor contents (id ranges) need one device synchronisation per call
+(all of a call's ranges are read at once); they are skipped under CUDA graph capture, when the
+routing metadata passed in was built from the same, unchanged tensors (its stamp says their values
+were checked then), and with ``validate=False``.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Mapping, NamedTuple, Sequence
+
+import torch
+
+from .blocks import BlockList, LayerPlan
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def check_tensor(
+    name: str,
+    value,
+    *,
+    ndim: int | Sequence[int] | None = None,
+    dtypes: Sequence[torch.dtype] | None = None,
+    shape: Sequence[int | None] | None = None,
+    legend: str | None = None,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """Check that ``value`` is a tensor of the given rank, dtype, shape and device.
+
+    ``shape`` entries of ``None`` match any size. ``legend`` is the shape in words
+    (e.g. ``"[M, k]"``) and is quoted in the message.
+    """
+    want = f" {legend}" if legend else ""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor{want}, got {type(value).__name__}")
+    if ndim is not None:
+        allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
+        if value.dim() not in allowed:
+            dims = " or ".join(f"{d}-D" for d in allowed)
+            raise ValueError(f"{name}: expected a {dims} tensor{want}, got shape {tuple(value.shape)}")
+    if dtypes is not None and value.dtype not in dtypes:
+        raise TypeError(f"{name}: dtype {value.dtype} is not supported; use one of {_dtype_names(dtypes)}")
+    if shape is not None:
+        if len(shape) != value.dim() or any(s is not None and s != v for s, v in zip(shape, value.shape)):
+            expected = tuple("*" if s is None else s for s in shape)
+            raise ValueError(f"{name}: expected shape {expected}{want}, got {tuple(value.shape)}")
+    if device is not None and value.device != torch.device(device):
+        raise ValueError(f"{name}: is on {value.device}, but the other inputs are on {device}; move it with .to({str(device)!r})")
+    return value
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def check_values(ranges: Sequence[tuple]) -> None:
+    """Check ``low <= t < high`` for every ``(name, t, low, high, what)``, with one device read.
+
+    All minima and maxima are gathered into one small tensor, so checking the ids of a call costs
+    one synchronisation on a GPU however many tensors it has. Skipped under CUDA graph capture.
+    """
+    live = [r for r in ranges if r[1] is not None and r[1].numel()]
+    if not live or _capturing():
+        return
+    by_device: dict = {}
+    for r in live:
+        by_device.setdefault(r[1].device, []).append(r)
+    for items in by_device.values():
+        stats = torch.stack([torch.stack([t.min(), t.max()]).long() for _, t, *_ in items]).tolist()
+        for (name, _, low, high, what), (lo, hi) in zip(items, stats):
+            if lo < low or hi >= high:
+                extra = f" ({what})" if what else ""
+                raise ValueError(f"{name}: value {lo if lo < low else hi} is out of range; accepted values are "
+                                 f"{low} .. {high - 1}{extra}")
+
+
+def check_range(name: str, value: torch.Tensor, low: int, high: int, what: str = "") -> None:
+    """Check ``low <= value < high`` elementwise (skipped under CUDA graph capture)."""
+    check_values([(name, value, low, high, what)])
+
+
+def check_int(name: str, value, *, low: int | None = None, high: int | None = None) -> int:
+    """Check that ``value`` is an int with ``low <= value <= high``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{name}: must be >= {low}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name}: must be <= {high}, got {value}")
+    return value
+
+
+def check_choice(name: str, value, choices: Iterable) -> None:
+    choices = tuple(choices)
+    if value not in choices:
+        raise ValueError(f"{name}: {value!r} is not one of {', '.join(repr(c) for c in choices)}")
+
+
+def check_same_device(**tensors: torch.Tensor) -> torch.device:
+    """Check that all given tensors live on one device and return it."""
+    items = [(n, t) for n, t in tensors.items() if t is not None]
+    first_name, first = items[0]
+    for name, t in items[1:]:
+        if t.device != first.device:
+            raise ValueError(
+                f"{name}: is on {t.device} but {first_name} is on {first.device}; all inputs must share one device"
+            )
+    return first.device
+
+
+def check_rows(name: str, rows, keys: Sequence[str], source: str | None = None) -> list:
+    """Check a non-empty list of dict rows (e.g. ``bench.read_csv``) that all carry ``keys``."""
+    what = f" (read_csv of {source})" if source else ""
+    if isinstance(rows, (str, bytes, Mapping)) or not isinstance(rows, Sequence) or not rows:
+        raise TypeError(f"{name}: expected a non-empty list of dicts{what}, got {type(rows).__name__}")
+    for i, row in enumerate(rows):
+        missing = [k for k in keys if not isinstance(row, Mapping) or k not in row]
+        if missing:
+            raise ValueError(f"{name}[{i}]: missing {', '.join(missing)}; expected rows"
+                             f"{' of ' + source if source else ' with ' + ', '.join(keys)}")
+    return list(rows)
+
+
+def check_no_overlap(name: str, value: torch.Tensor, **others) -> None:
+    """Raise if ``value`` shares memory with any of ``others`` (a kernel writing ``value`` would
+    read back what it had already overwritten). Compares address ranges, on the host."""
+    def span(t):
+        if t.numel() == 0:
+            return None
+        last = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    mine = span(value)
+    if mine is None:
+        return
+    for other, t in others.items():
+        for i, ti in enumerate(t if isinstance(t, (list, tuple)) else [t]):
+            if not isinstance(ti, torch.Tensor) or ti.device != value.device or (theirs := span(ti)) is None:
+                continue
+            if mine[0] < theirs[1] and theirs[0] < mine[1]:
+                what = f"{other}[{i}]" if isinstance(t, (list, tuple)) else other
+                raise ValueError(f"{name}: shares memory with {what}; the kernels would read values they have "
+                                 f"already overwritten. Pass a separate output buffer (and copy it back if "
+                                 "you need the result in place)")
+
+
+# ---- routing ---------------------------------------------------------------------------------
+
+
+def routing_ranges(topk_ids, token_lora, num_experts: int, num_loras: int) -> list[tuple]:
+    """The value checks of the routing ids, for :func:`check_values`."""
+    return [("topk_ids", topk_ids, 0, num_experts, f"experts of a {num_experts}-expert layer"),
+            ("token_lora", token_lora, -1, num_loras, f"-1 = no adapter, else a slot of {num_loras}")]
+
+
+def check_routing(topk_ids, token_lora, num_experts: int, num_loras: int, topk_weights=None, *,
+                  values: bool = True) -> tuple[int, int]:
+    """Validate the routing tensors shared by every public op; returns (M, k).
+
+    ``values=False`` checks shapes, dtypes and devices only (no device synchronisation).
+    """
+    check_tensor("topk_ids", topk_ids, ndim=2, dtypes=INDEX_DTYPES, legend="[M, k]")
+    M, k = topk_ids.shape
+    check_tensor("token_lora", token_lora, dtypes=INDEX_DTYPES, shape=(M,), legend="[M] (one adapter slot per token)")
+    check_same_device(topk_ids=topk_ids, token_lora=token_lora, topk_weights=topk_weights)
+    if topk_weights is not None:
+        check_tensor("topk_weights", topk_weights, dtypes=(torch.float32, torch.float16, torch.bfloat16),
+                     shape=(M, k), legend="[M, k] (same shape as topk_ids)")
+    if values:
+        check_values(routing_ranges(topk_ids, token_lora, num_experts, num_loras))
+    return M, k
+
+
+def check_stamp(name: str, stamp, topk_ids, token_lora, num_experts: int, num_loras: int, rebuild: str) -> bool:
+    """Check that routing metadata was built for this call; returns whether its ids were checked then."""
+    M, k = topk_ids.shape
+    built = dict(M=stamp.num_tokens, k=stamp.top_k, E=stamp.num_experts, L=stamp.num_loras)
+    now = dict(M=M, k=k, E=num_experts, L=num_loras)
+    for key in built:
+        if built[key] != now[key]:
+            raise ValueError(f"{name}: built for {key}={built[key]}, but this call has {key}={now[key]}; {rebuild}")
+    if stamp.device != topk_ids.device:
+        raise ValueError(f"{name}: built on {stamp.device}, but the routing is on {topk_ids.device}; {rebuild}")
+    for what, st, t in (("topk_ids", stamp.topk_ids, topk_ids), ("token_lora", stamp.token_lora, token_lora)):
+        why = None if st is None else st.differs(t)
+        if why:
+            raise ValueError(f"{name}: not built for this call's {what} ({why}); {rebuild}")
+    return stamp.values_checked
+
+
+def check_blocks(blocks, topk_ids, token_lora, num_experts: int, num_loras: int, name: str = "blocks") -> int:
+    """Check a BlockList passed in for reuse against this call's routing; returns its block size."""
+    if not isinstance(blocks, BlockList):
+        raise TypeError(f"{name}: expected a BlockList from moelora_lab.block_list(...), got {type(blocks).__name__}")
+    check_stamp(name, blocks.routing, topk_ids, token_lora, num_experts, num_loras,
+                "rebuild it with moelora_lab.block_list(topk_ids, token_lora, num_experts, num_loras, block_size)")
+    bs = blocks.block_size
+    if bs < 16 or bs & (bs - 1):
+        raise ValueError(f"{name}: block size {bs} is not a power of two >= 16 (tl.dot needs 16 rows); rebuild it "
+                         "with block_size=16, 32 or 64")
+    return bs
+
+
+def check_plan(plan, topk_ids, token_lora, num_experts: int, num_loras: int | None, rank: int | None) -> bool:
+    """Check a LayerPlan against this layer call; returns whether its routing ids were checked."""
+    if not isinstance(plan, LayerPlan):
+        raise TypeError(f"plan: expected a LayerPlan from moelora_lab.plan_layer(...), got {type(plan).__name__}")
+    fix = ("make it with moelora_lab.plan_layer(topk_ids, token_lora, num_experts, num_loras, rank, "
+           "schedule=...) for this call")
+    want = "without LoRA" if num_loras is None else f"with {num_loras} adapters of rank {rank}"
+    have = "without LoRA" if plan.num_loras is None else f"with {plan.num_loras} adapters of rank {plan.rank}"
+    if (plan.num_loras, plan.rank) != (num_loras, rank):
+        raise ValueError(f"plan: made for a layer {have}, but this call is {want}; {fix}")
+    return check_stamp("plan", plan.routing, topk_ids, None if num_loras is None else token_lora, num_experts,
+                       plan.routing.num_loras, fix)
+
+
+# ---- LoRA weights and the op ------------------------------------------------------------------
+
+
+def check_lora_weights(lora_a, lora_b, num_experts: int | None = None, in_features: int | None = None, *,
+                       dtype: torch.dtype | None = None, names: tuple[str, str] = ("lora_a", "lora_b")):
+    """Validate S slices of A [L, E, r, K] and B [L, E, N, r]; returns (L, E, r, K, N, S)."""
+    na, nb = names
+    for name, ws in ((na, lora_a), (nb, lora_b)):
+        if isinstance(ws, torch.Tensor) or not isinstance(ws, Sequence) or len(ws) == 0:
+            raise TypeError(f"{name}: expected a non-empty list or tuple of tensors (one per slice), "
+                            f"got {type(ws).__name__}")
+    if len(lora_a) != len(lora_b):
+        raise ValueError(f"{na} and {nb}: got {len(lora_a)} and {len(lora_b)} slices; they must match")
+    first = check_tensor(f"{na}[0]", lora_a[0], ndim=4, dtypes=FLOAT_DTYPES, legend="[L, E, r, K]")
+    L, E, r, K = first.shape
+    N = check_tensor(f"{nb}[0]", lora_b[0], ndim=4, dtypes=FLOAT_DTYPES, legend="[L, E, N, r]").shape[2]
+    for s, (a, b) in enumerate(zip(lora_a, lora_b)):
+        check_tensor(f"{na}[{s}]", a, dtypes=(first.dtype,), shape=(L, E, r, K), legend="[L, E, r, K]")
+        check_tensor(f"{nb}[{s}]", b, dtypes=(first.dtype,), shape=(L, E, N, r), legend="[L, E, N, r]")
+        check_same_device(**{f"{na}[0]": first, f"{na}[{s}]": a, f"{nb}[{s}]": b})
+        for name, w, w0 in ((na, a, first), (nb, b, lora_b[0])):
+            if w.stride() != w0.stride():     # the kernels read every slice with slice 0's strides
+                raise ValueError(f"{name}: the slices have different memory layouts (strides {w0.stride()} and "
+                                 f"{w.stride()}); make them all contiguous, or pass all of {nb} through "
+                                 "moelora_lab.pack_lora_b")
+    if num_experts is not None and E != num_experts:
+        raise ValueError(f"{na}[0]: has {E} experts (dim 1) but the base layer has {num_experts}")
+    if in_features is not None and K != in_features:
+        raise ValueError(f"{na}[0]: expects K={K} input features (dim 3) but its input has {in_features}")
+    if dtype is not None and first.dtype != dtype:
+        raise TypeError(f"{na}[0]: dtype {first.dtype} must equal x's dtype {dtype}; cast the weights once, "
+                        "when they are loaded")
+    return L, E, r, K, N, len(lora_a)
+
+
+class OpDims(NamedTuple):
+    M: int
+    k: int
+    L: int
+    E: int
+    r: int
+    K: int
+    N: int
+    S: int
+
+
+def check_op_inputs(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, *, mul_routed_weight: bool = False,
+                    values: bool = True) -> OpDims:
+    """Validate the LoRA op's tensors (``values=False``: no id-range checks, no synchronisation)."""
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES, legend="[M, K] token rows or [M*k, K] pair rows")
+    L, E, r, K, N, S = check_lora_weights(lora_a, lora_b, in_features=x.shape[1])
+    if mul_routed_weight and topk_weights is None:
+        raise ValueError("topk_weights: required with mul_routed_weight=True (each pair's delta is scaled by its "
+                         "routing weight); pass the [M, k] weights or set mul_routed_weight=False")
+    M, k = check_routing(topk_ids, token_lora, E, L, topk_weights, values=values)
+    if x.shape[0] not in (M, M * k):
+        raise ValueError(f"x: has {x.shape[0]} rows; expected M={M} (token rows) or M*k={M * k} (pair rows)")
+    check_same_device(x=x, topk_ids=topk_ids, **{"lora_a[0]": lora_a[0]})
+    return OpDims(M, k, L, E, r, K, N, S)
+
+
+def check_lora_ranks(lora_ranks, num_loras: int, rank: int) -> list[tuple]:
+    """Shape and dtype of the per-slot ranks [L]; returns their value check for :func:`check_values`."""
+    if lora_ranks is None:
+        return []
+    check_tensor("lora_ranks", lora_ranks, dtypes=INDEX_DTYPES, shape=(num_loras,), legend="[L] actual rank per slot")
+    return [("lora_ranks", lora_ranks, 0, rank + 1, f"ranks of a rank-{rank} slot")]
+
+
+def check_enabled(enabled, num_loras: int) -> None:
+    if enabled is not None:
+        check_tensor("enabled", enabled, dtypes=(torch.bool,), shape=(num_loras,), legend="[L] bool, one flag per slot")
+
+
+def check_output(output, M: int, k: int, SN: int, x, **inputs) -> None:
+    """The op's output [M, k, S*N]: x's dtype and device, (token, slot) rows contiguous, no shared memory."""
+    check_tensor("output", output, dtypes=(x.dtype,), shape=(M, k, SN), legend="[M, k, S*N] in x's dtype")
+    if output.device != x.device:
+        raise ValueError(f"output: is on {output.device} but x is on {x.device}")
+    if output.stride(2) != 1 or output.stride(0) != k * output.stride(1):
+        raise ValueError("output: must have contiguous (token, slot) rows and columns "
+                         f"(strides {tuple(output.stride())}); pass output.contiguous() or a fresh buffer")
+    check_no_overlap("output", output, x=x, **inputs)
+
+
+# ---- the layer -------------------------------------------------------------------------------
+
+
+class LayerDims(NamedTuple):
+    M: int
+    k: int
+    E: int
+    H: int
+    I: int
+    L: int | None     # None: no LoRA weights
+    r: int | None
+
+
+def check_layer_base(x, topk_ids, w13, w2, *, same_dtype: bool = False) -> tuple[int, int, int]:
+    """x [M, H], topk_ids [M, k], w13 [E, 2I, H], w2 [E, H, I]; returns (E, H, I)."""
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES, legend="[M, H]")
+    check_tensor("w13", w13, ndim=3, dtypes=(x.dtype,) if same_dtype else FLOAT_DTYPES,
+                 legend="[E, 2I, H]" + (" in x's dtype" if same_dtype else ""))
+    E, two_i, H = w13.shape
+    if two_i % 2:
+        raise ValueError(f"w13: dim 1 must be 2*I (gate and up stacked), got {two_i}")
+    check_tensor("w2", w2, dtypes=(x.dtype,) if same_dtype else FLOAT_DTYPES, shape=(E, H, two_i // 2),
+                 legend="[E, H, I]" + (" in x's dtype" if same_dtype else ""))
+    if x.shape[1] != H:
+        raise ValueError(f"x: has {x.shape[1]} features but w13 expects H={H}")
+    check_tensor("topk_ids", topk_ids, ndim=2, legend="[M, k]")
+    if topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_ids: has {topk_ids.shape[0]} rows but x has M={x.shape[0]}")
+    check_same_device(x=x, w13=w13, w2=w2)
+    return E, H, two_i // 2
+
+
+def check_layer_inputs(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a, w13_lora_b, w2_lora_a,
+                       w2_lora_b) -> LayerDims:
+    """Everything the kernel layer reads, shapes/dtypes/devices only (the ids are checked apart)."""
+    E, H, I = check_layer_base(x, topk_ids, w13, w2, same_dtype=True)
+    if topk_weights is None:
+        raise ValueError("topk_weights: required by the layer (the routing weights scale each expert's output)")
+    lora = (w13_lora_a, w13_lora_b, w2_lora_a, w2_lora_b)
+    given = [t is not None for t in lora]
+    if any(given) and not all(given):
+        raise ValueError("w13_lora_a, w13_lora_b, w2_lora_a, w2_lora_b: give all four or none")
+    M, k = check_routing(topk_ids, token_lora, E, 1, topk_weights, values=False)
+    check_same_device(x=x, topk_ids=topk_ids)
+    if not all(given):
+        return LayerDims(M, k, E, H, I, None, None)
+    L, _, r, _, n13, s13 = check_lora_weights(w13_lora_a, w13_lora_b, E, H, dtype=x.dtype,
+                                              names=("w13_lora_a", "w13_lora_b"))
+    L2, _, r2, _, n2, s2 = check_lora_weights(w2_lora_a, w2_lora_b, E, I, dtype=x.dtype,
+                                              names=("w2_lora_a", "w2_lora_b"))
+    if (s13, n13) != (2, I):
+        raise ValueError(f"w13_lora_a, w13_lora_b: expected 2 slices (gate, up) of A [L, E, r, {H}] and B "
+                         f"[L, E, {I}, r]; got {s13} slice(s) with N={n13}")
+    if (s2, n2) != (1, H):
+        raise ValueError(f"w2_lora_a, w2_lora_b: expected 1 slice of A [L, E, r, {I}] and B [L, E, {H}, r]; got "
+                         f"{s2} slice(s) with N={n2}")
+    if (L2, r2) != (L, r):
+        raise ValueError(f"w2_lora_a[0]: has {L2} adapter slots of rank {r2}, but w13_lora_a has {L} of rank {r}; "
+                         "every slot needs both its w13 and its w2 LoRA (zero-filled where an adapter has none)")
+    check_same_device(x=x, w13_lora_a=w13_lora_a[0], w2_lora_a=w2_lora_a[0])
+    return LayerDims(M, k, E, H, I, L, r)
