@@ -222,7 +222,7 @@ def sweep_parser(sub, what: str, help: str, *, name: str, tokens, presets=("qwen
 
 
 def parse_args(argv):
-    from . import bench_gemm, bench_tune
+    from . import bench_eager, bench_gemm, bench_tune
     from .layer import SIDE_PRIORITIES
 
     p = argparse.ArgumentParser(prog="python -m moelora_lab.bench", description=__doc__.split("\n\n")[0])
@@ -253,6 +253,7 @@ def parse_args(argv):
                      presets=("qwen3-30b-a3b", "deepseek-v2-lite"), tokens=(1, 16, 128, 512, 2048, 8192), dtype=False)
     a.add_argument("--block-size", type=int, default=16)
     bench_gemm.add_parser(sub)
+    bench_eager.add_parser(sub)
     bench_tune.add_parser(sub)
     bench_tune.add_layout_parser(sub)
     args = p.parse_args(argv)
@@ -282,6 +283,9 @@ def main(argv=None) -> int:
     elif args.what == "gemm":
         from .bench_gemm import run_gemm
         rows = run_gemm(args)
+    elif args.what == "eager":
+        from .bench_eager import run_eager
+        rows = run_eager(args)
     elif args.what in ("tune", "layout"):
         from .bench_tune import run_layout, run_tune
         rows = (run_tune if args.what == "tune" else run_layout)(args)
@@ -295,7 +299,7 @@ def main(argv=None) -> int:
         for png in save_layer_plots(rows, args.out, args.name):
             print(f"wrote {png}", file=sys.stderr)
         return 0
-    if args.what != "kernels" or args.tune:   # gemm, tune, align, registers: CSV only
+    if args.what != "kernels" or args.tune:   # gemm, tune, align, registers, eager: CSV only
         return 0
     try:
         from .plots.bench import save_kernel_plots

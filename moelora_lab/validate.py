@@ -244,8 +244,12 @@ def check_lora_weights(lora_a, lora_b, num_experts: int | None = None, in_featur
     L, E, r, K = first.shape
     N = check_tensor(f"{nb}[0]", lora_b[0], ndim=4, dtypes=FLOAT_DTYPES, legend="[L, E, N, r]").shape[2]
     for s, (a, b) in enumerate(zip(lora_a, lora_b)):
-        check_tensor(f"{na}[{s}]", a, dtypes=(first.dtype,), shape=(L, E, r, K), legend="[L, E, r, K]")
-        check_tensor(f"{nb}[{s}]", b, dtypes=(first.dtype,), shape=(L, E, N, r), legend="[L, E, N, r]")
+        check_tensor(f"{na}[{s}]", a, shape=(L, E, r, K), legend="[L, E, r, K]")
+        check_tensor(f"{nb}[{s}]", b, shape=(L, E, N, r), legend="[L, E, N, r]")
+        for name, w in ((f"{na}[{s}]", a), (f"{nb}[{s}]", b)):
+            if w.dtype != first.dtype:
+                raise TypeError(f"{name}: dtype {w.dtype} differs from {na}[0]'s {first.dtype}; every slice of A "
+                                "and B must share one dtype")
         check_same_device(**{f"{na}[0]": first, f"{na}[{s}]": a, f"{nb}[{s}]": b})
         for name, w, w0 in ((na, a, first), (nb, b, lora_b[0])):
             if w.stride() != w0.stride():     # the kernels read every slice with slice 0's strides

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Check and measure on a CUDA GPU in one go: the test suite on CUDA, the register report, the
 # kernel sweep. Results go to $OUT (default ./gpu_results). Usage:
-#   bash scripts/gpu_suite.sh [tests] [registers] [tune] [lora-tune] [layout] [smoke|kernels] [layer] [align] [gemm]
+#   bash scripts/gpu_suite.sh [tests] [registers] [tune] [lora-tune] [layout] [smoke|kernels] [layer] [align] [gemm] [eager]
+# The project's .venv/bin/python is used when it exists (PYTHON=... to choose another).
 set -uo pipefail
 OUT=${OUT:-gpu_results}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+if [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; fi
 PY=${PYTHON:-python3}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
@@ -32,6 +34,8 @@ for step in "${steps[@]}"; do
       $PY -m moelora_lab.bench align --out "$OUT" 2>&1 | tail -n 3 ;;
     gemm)
       $PY -m moelora_lab.bench gemm --max-seconds 360 --out "$OUT" 2>&1 | tail -n 3 ;;
+    eager)
+      $PY -m moelora_lab.bench eager --out "$OUT" 2>&1 | tail -n 3 ;;
     kernels)
       $PY -m moelora_lab.bench kernels --time-alignment --out "$OUT" 2>&1 | tail -n 5 ;;
     *) echo "unknown step $step" ;;

@@ -7,6 +7,7 @@
   ``"cuda"`` with ``--gpu`` and ``"cpu"`` without it.
 * ``@pytest.mark.gpu`` (or the ``gpu`` fixture): skipped unless CUDA is
   available.
+* hypothesis profiles ``ci`` (default) and ``thorough``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,16 @@ from __future__ import annotations
 import functools
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+# Property tests (tests/test_properties.py): a fixed seed and a bounded number of examples in CI;
+# `--hypothesis-profile=thorough` for a longer, randomised local run.
+_SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture]
+settings.register_profile("ci", derandomize=True, max_examples=25, deadline=None, print_blob=True,
+                          suppress_health_check=_SLOW_OK)
+settings.register_profile("thorough", max_examples=300, deadline=None, print_blob=True,
+                          suppress_health_check=_SLOW_OK)
+settings.load_profile("ci")
 
 NBVAL_SKIP_COMPARE = (
     "text/html",

@@ -46,3 +46,43 @@ def test_triton_imported_first_fails_with_the_fix():
 def test_public_api():
     for name in ("moe_lora", "moe_lora_layer", "block_list", "block_list_device", "KernelConfig", "make_problem"):
         assert hasattr(moelora_lab, name)
+
+
+# ---- several GPUs: kernels and streams follow the inputs' device -----------------------------------------
+
+two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                              reason="needs two CUDA GPUs")
+
+
+@two_gpus
+@pytest.mark.parametrize("path", ["one_shot", "two_kernel", "small_batch"])
+def test_op_runs_on_the_inputs_gpu_not_the_current_one(path):
+    p = moelora_lab.make_problem("qwen3-30b-a3b", moelora_lab.LoRAShape(4, 16), 24, dtype=torch.bfloat16,
+                                 device="cuda:1", seed=5)
+    with torch.cuda.device(1):
+        want = moelora_lab.moe_lora(**p.w13_lora_inputs(), path=path)
+    with torch.cuda.device(0):
+        got = moelora_lab.moe_lora(**p.w13_lora_inputs(), path=path)
+        assert torch.cuda.current_device() == 0
+        blocks = moelora_lab.block_list_device(p.topk_ids, p.token_lora, 128, 4, 16)
+    assert got.device == torch.device("cuda:1") and torch.equal(got, want)
+    assert all(t.device == torch.device("cuda:1") for t in blocks.tensors)
+    assert all(torch.equal(a, b) for a, b in zip(blocks.tensors,
+                                                moelora_lab.block_list(p.topk_ids, p.token_lora, 128, 4, 16).tensors))
+
+
+@two_gpus
+@pytest.mark.parametrize("schedule", ["sequential", "dual_stream", "fused"])
+def test_layer_runs_on_the_inputs_gpu_not_the_current_one(schedule):
+    p = moelora_lab.make_problem("qwen3-30b-a3b", moelora_lab.LoRAShape(4, 16), 24, dtype=torch.bfloat16,
+                                 device="cuda:1", seed=6)
+    with torch.cuda.device(1):
+        want = moelora_lab.moe_lora_layer(**p.layer_inputs(), schedule=schedule)
+    torch.cuda.synchronize(1)
+    with torch.cuda.device(0):
+        for _ in range(20):                              # a race between the streams would move the result
+            got = moelora_lab.moe_lora_layer(**p.layer_inputs(), schedule=schedule)
+            assert torch.equal(got, want)
+        assert torch.cuda.current_device() == 0
+    ref = moelora_lab.moe_layer_reference(**p.layer_inputs())
+    torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))

@@ -115,3 +115,14 @@ def test_b_layout_pipeline(cpu_bench, tmp_path):
     rows = bench.read_csv(tmp_path / "b_layout.csv")
     assert {(r["op"], r["b_layout"]) for r in rows} == {(op, lay) for op in ("w13", "w2")
                                                        for lay in ("r_fastest", "n_fastest")}
+
+
+def test_eager_pipeline(cpu_bench, tmp_path, monkeypatch):
+    """bench eager: every way of calling the op and the layer runs (GPU clock and sync counter stubbed)."""
+    import moelora_lab.bench_eager as eager
+    monkeypatch.setattr(eager, "eager_us", lambda fn, calls: [fn(), 99.0][1])
+    monkeypatch.setattr(eager, "syncs_per_call", lambda fn: [fn(), 0][1])
+    assert bench.main(["eager", "--presets", "tiny", "--tokens", "3", "--ranks", "4", "--dtype", "float32",
+                       "--out", str(tmp_path)]) == 0
+    rows = bench.read_csv(tmp_path / "eager.csv")
+    assert {(r["what"], r["way"]) for r in rows} == {(w, v) for w in ("op", "layer") for v in eager.WAYS}

@@ -251,3 +251,42 @@ def test_validate_false_skips_only_the_value_checks():
         moe_lora(p.x, bad[0], p.topk_weights, p.token_lora, p.w13_lora_a, p.w13_lora_b, validate=False)
     good = moe_lora(**p.w13_lora_inputs(), validate=False, path="one_shot", config=tiles("cpu"))
     assert_close(good, ml.moe_lora_reference(**p.w13_lora_inputs()), torch.float32)
+
+
+# ---- device synchronisations (GPU) ----------------------------------------------------------------------
+
+def count_syncs(fn) -> int:
+    """Synchronising CUDA calls made by ``fn()``, as torch's sync debug mode reports them."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return sum("synchronizing" in str(w.message) for w in caught)
+
+
+@pytest.mark.gpu
+def test_eager_calls_synchronise_once_or_not_at_all():
+    p = ml.make_problem("qwen3-30b-a3b", ml.LoRAShape(4, 16), 16, dtype=torch.bfloat16, device="cuda", seed=3)
+    E, L = 128, 4
+    op = p.w13_lora_inputs()
+    blocks = ml.block_list(p.topk_ids, p.token_lora, E, L, 16)
+    plan = plan_layer(p.topk_ids, p.token_lora, E, L, 16)
+    ranks = torch.full((L,), 8, dtype=torch.int32, device="cuda")
+    calls = {
+        "op": (lambda: moe_lora(**op), 1),
+        "op, validate=False": (lambda: moe_lora(**op, validate=False), 0),
+        "op, checked blocks": (lambda: moe_lora(**op, blocks=blocks, path="one_shot"), 0),
+        "op, checked blocks and lora_ranks": (lambda: moe_lora(**op, blocks=blocks, lora_ranks=ranks, path="one_shot"), 1),
+        "layer": (lambda: moe_lora_layer(**p.layer_inputs()), 1),
+        "layer, validate=False": (lambda: moe_lora_layer(**p.layer_inputs(), validate=False), 0),
+        "layer, checked plan": (lambda: moe_lora_layer(**p.layer_inputs(), plan=plan), 0),
+        "layer, fused": (lambda: moe_lora_layer(**p.layer_inputs(), schedule="fused"), 1),
+    }
+    for fn, _ in calls.values():
+        fn()                                            # compile first
+    counts = {name: count_syncs(fn) for name, (fn, _) in calls.items()}
+    assert counts == {name: want for name, (_, want) in calls.items()}

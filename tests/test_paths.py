@@ -1,0 +1,69 @@
+"""The table of LoRA paths: the op, auto, the layer, the benchmarks and the README read it."""
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+import moelora_lab as ml
+from moelora_lab import paths
+from moelora_lab.paths import PATH_CHOICES, PATHS, TRITON_PATHS, get_path, paths_markdown, resolve_path
+from utils import assert_close, lora_case
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_readme_table_is_the_table():
+    text = README.read_text()
+    block = re.search(r"<!-- paths-table -->\n(.*?)\n<!-- /paths-table -->", text, re.S)
+    assert block, "README.md lost its paths table markers"
+    assert block.group(1).strip() == paths_markdown(), "README's paths table is stale: paste paths_markdown()"
+
+
+def test_every_entry_is_complete():
+    assert set(PATHS) == {"reference", "two_kernel", "one_shot", "small_batch"}
+    for name, p in PATHS.items():
+        assert p.name == name and callable(p.launch) and Path(README.parent / p.kernels).exists()
+    assert PATH_CHOICES == tuple(PATHS) + ("auto",)
+    assert TRITON_PATHS == ("two_kernel", "one_shot", "small_batch")
+
+
+def test_unknown_names_list_the_table():
+    with pytest.raises(ValueError, match="path: 'fast' is not one of 'reference', 'two_kernel', 'one_shot', "
+                                         "'small_batch', 'auto'"):
+        get_path("fast")
+    with pytest.raises(ValueError, match="path: 3 is not one of"):
+        get_path(3)
+
+
+def test_auto_skips_paths_that_cannot_run_the_call(monkeypatch):
+    """A path with a rank cap (vLLM's fused kernel stops at 128) is never picked past its cap, and
+    asking for it explicitly says why."""
+    capped = dict(PATHS)
+    capped["one_shot"] = replace(PATHS["one_shot"], max_rank=128)
+    monkeypatch.setattr(paths, "PATHS", capped)
+    kw = dict(num_pairs=8192, num_experts=128, num_loras=4, add_inputs=True, token_rows=True)
+    assert resolve_path("auto", rank=64, **kw) == "one_shot"              # the measured rule's pick
+    assert resolve_path("auto", rank=256, **kw) == "two_kernel"           # the next path that runs it
+    with pytest.raises(ValueError, match="path: 'one_shot' supports ranks up to 128 \\(this call has r=256\\)"):
+        resolve_path("one_shot", rank=256, **kw)
+
+
+def test_bench_and_layer_choices_come_from_the_table():
+    from moelora_lab import bench
+    args = bench.parse_args(["kernels", "--paths", *TRITON_PATHS, "auto"])
+    assert args.paths == list(TRITON_PATHS) + ["auto"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["kernels", "--paths", "naive"])
+    p = ml.make_problem(ml.MoEShape(48, 40, 6, 2, "t"), ml.LoRAShape(2, 4), 3, seed=0)
+    with pytest.raises(ValueError, match="lora_path: 'fast' is not one of 'two_kernel', 'one_shot', 'small_batch', "
+                                         "'auto'"):
+        ml.moe_lora_layer(**p.layer_inputs(), lora_path="fast")
+
+
+@pytest.mark.parametrize("name", list(PATHS))
+def test_every_path_of_the_table_runs(device, name):
+    p = lora_case(6, device=device, seed=41, no_adapter_fraction=0.3)
+    out = ml.moe_lora(**p.w13_lora_inputs(), path=name)
+    assert_close(out, ml.moe_lora_reference(**p.w13_lora_inputs()), torch.float32)
