@@ -18,7 +18,7 @@ from .align import make_blocks
 from .blocks import BlockList
 from .dispatch import KernelConfig, choose_config
 from .paths import PATHS, LoRACall, resolve_path
-from .validate import (check_blocks, check_enabled, check_lora_ranks, check_op_inputs, check_output, check_routing,
+from .validate import (check_blocks, check_enabled, check_lora_ranks, check_op_inputs, check_output,
                        check_tensor, check_values, routing_ranges)
 
 

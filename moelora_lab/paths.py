@@ -50,6 +50,15 @@ class LoRACall(NamedTuple):
         M, k = self.topk_ids.shape
         return not (self.x.shape[0] == M * k and k > 1)
 
+    @property
+    def out2d(self) -> torch.Tensor:
+        """The output as [P, S*N] rows."""
+        return self.output.view(self.topk_ids.numel(), -1)
+
+    def ranks_or(self, stand_in: torch.Tensor) -> torch.Tensor:
+        """The lora_ranks pointer, or a never-read stand-in without them (HAS_RANKS=False)."""
+        return stand_in if self.lora_ranks is None else self.lora_ranks
+
     def weights(self) -> torch.Tensor:
         """[P] fp32 routing weights (the output buffer as a never-read stand-in without them)."""
         if self.topk_weights is None:
@@ -115,79 +124,68 @@ def launch_reference(call: LoRACall, cfg: KernelConfig | None = None) -> None:
 
 def launch_one_shot(call: LoRACall, cfg: KernelConfig | None = None):
     """Returns the compiled kernel on a GPU (registers, spills), for ``profile.report``."""
-    x, blocks, ranks = call.x, call.blocks, call.lora_ranks
+    x, blocks, out2d, weights = call.x, call.blocks, call.out2d, call.weights()
     M, k, L, E, R, K, N, S = call.dims
     cfg = _block_config(call, cfg, "one_shot")
-    out2d = call.output.view(M * k, S * N)
     block_r, rank_tiles = cfg.rank_tiling(R)
-    a, b = call.lora_a[0], call.lora_b[0]
     n_chunks = min(cfg.n_chunks, triton.cdiv(N, cfg.block_n))    # never more chunks than N tiles
-    weights = call.weights()
     compiled = None
     for s0 in range(0, S, 2):
         ns = min(2, S - s0)
         compiled = one_shot_kernel[(blocks.num_blocks, ns * n_chunks)](
             x, *_slices(call.lora_a, s0), *_slices(call.lora_b, s0), out2d, weights, *blocks.tensors,
-            blocks.block_lora if ranks is None else ranks,
-            M * k, k, K, N, R, s0 * N,
-            x.stride(0), x.stride(1), *a.stride(), *b.stride(), out2d.stride(0), out2d.stride(1),
+            call.ranks_or(blocks.block_lora), M * k, k, K, N, R, s0 * N,
+            x.stride(0), x.stride(1), *call.lora_a[0].stride(), *call.lora_b[0].stride(), *out2d.stride(),
             N_CHUNKS=n_chunks, BLOCK_M=blocks.block_size, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             BLOCK_R=block_r, RANK_TILES=rank_tiles, TOKEN_ROWS=call.token_rows, MUL_ROUTED_WEIGHT=call.mul_routed_weight,
-            ADD_INPUTS=call.add_inputs, DOT_PRECISION=_precision(x), HAS_RANKS=ranks is not None,
+            ADD_INPUTS=call.add_inputs, DOT_PRECISION=_precision(x), HAS_RANKS=call.lora_ranks is not None,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return compiled
 
 
 def launch_two_kernel(call: LoRACall, cfg: KernelConfig | None = None) -> None:
-    x, blocks, ranks = call.x, call.blocks, call.lora_ranks
+    x, blocks, out2d, weights = call.x, call.blocks, call.out2d, call.weights()
     M, k, L, E, R, K, N, S = call.dims
     cfg = _block_config(call, cfg, "two_kernel")
-    out2d = call.output.view(M * k, S * N)
     block_r, rank_tiles = cfg.rank_tiling(R)
-    a, b = call.lora_a[0], call.lora_b[0]
-    weights = call.weights()
+    ranks, has_ranks = call.ranks_or(blocks.block_lora), call.lora_ranks is not None
     inter = torch.zeros(S, M * k, R, dtype=x.dtype, device=x.device)   # [S, P, r] in HBM
     for s0 in range(0, S, 2):
         ns = min(2, S - s0)
         t = inter[s0:s0 + ns]
         shrink_kernel[(blocks.num_blocks, ns, rank_tiles)](
-            x, *_slices(call.lora_a, s0), t, *blocks.tensors, blocks.block_lora if ranks is None else ranks,
-            M * k, k, K, R, x.stride(0), x.stride(1), *a.stride(), *t.stride(),
+            x, *_slices(call.lora_a, s0), t, *blocks.tensors, ranks,
+            M * k, k, K, R, x.stride(0), x.stride(1), *call.lora_a[0].stride(), *t.stride(),
             BLOCK_M=blocks.block_size, BLOCK_K=cfg.block_k, BLOCK_R=block_r, TOKEN_ROWS=call.token_rows,
-            DOT_PRECISION=_precision(x), HAS_RANKS=ranks is not None, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages)
+            DOT_PRECISION=_precision(x), HAS_RANKS=has_ranks, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         expand_kernel[(blocks.num_blocks, ns, triton.cdiv(N, cfg.block_n))](
-            t, *_slices(call.lora_b, s0), out2d, weights, *blocks.tensors,
-            blocks.block_lora if ranks is None else ranks, M * k, N, R, s0 * N,
-            *t.stride(), *b.stride(), out2d.stride(0), out2d.stride(1),
+            t, *_slices(call.lora_b, s0), out2d, weights, *blocks.tensors, ranks, M * k, N, R, s0 * N,
+            *t.stride(), *call.lora_b[0].stride(), *out2d.stride(),
             BLOCK_M=blocks.block_size, BLOCK_N=cfg.block_n, BLOCK_R=block_r,
             MUL_ROUTED_WEIGHT=call.mul_routed_weight, ADD_INPUTS=call.add_inputs, DOT_PRECISION=_precision(x),
-            HAS_RANKS=ranks is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            HAS_RANKS=has_ranks, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def launch_small_batch(call: LoRACall, cfg: KernelConfig | None = None) -> None:
-    x, ranks = call.x, call.lora_ranks
+    x, out2d, weights = call.x, call.out2d, call.weights()
     M, k, L, E, R, K, N, S = call.dims
     cfg = cfg or choose_config("small_batch", M * k, M * k, N, S, x.device, rank=R)
-    out2d = call.output.view(M * k, S * N)
     block_r, rank_tiles = cfg.rank_tiling(R)
     block_k = max(16, min(cfg.block_k, 8192 // block_r))       # keep the [BR, BK] partial sum small
-    a, b = call.lora_a[0], call.lora_b[0]
     n_chunks = min(cfg.n_chunks, triton.cdiv(N, cfg.block_n))
     ids = call.topk_ids.reshape(-1).to(torch.int32).contiguous()
     token_lora = call.token_lora.to(torch.int32).contiguous()
-    weights = call.weights()
     for s0 in range(0, S, 2):
         ns = min(2, S - s0)
         work = M * k * ns * n_chunks
         programs = min(work, cfg.programs or 2 * num_sms(x.device))
         small_batch_kernel[(programs,)](
             x, *_slices(call.lora_a, s0), *_slices(call.lora_b, s0), out2d, weights, ids, token_lora,
-            token_lora if ranks is None else ranks, M * k, k, K, N, R, s0 * N, work,
-            x.stride(0), x.stride(1), *a.stride(), *b.stride(), out2d.stride(0), out2d.stride(1),
+            call.ranks_or(token_lora), M * k, k, K, N, R, s0 * N, work,
+            x.stride(0), x.stride(1), *call.lora_a[0].stride(), *call.lora_b[0].stride(), *out2d.stride(),
             NUM_SLICES=ns, N_CHUNKS=n_chunks, BLOCK_N=cfg.block_n, BLOCK_K=block_k, BLOCK_R=block_r,
             RANK_TILES=rank_tiles, TOKEN_ROWS=call.token_rows, MUL_ROUTED_WEIGHT=call.mul_routed_weight,
-            ADD_INPUTS=call.add_inputs, HAS_RANKS=ranks is not None, num_warps=cfg.num_warps,
+            ADD_INPUTS=call.add_inputs, HAS_RANKS=call.lora_ranks is not None, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages)
 
 

@@ -54,35 +54,39 @@ two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device
                               reason="needs two CUDA GPUs")
 
 
+def second_gpu_problem(seed):
+    return moelora_lab.make_problem("qwen3-30b-a3b", moelora_lab.LoRAShape(4, 16), 24, dtype=torch.bfloat16,
+                                    device="cuda:1", seed=seed)
+
+
+def with_current_gpu(index, fn):
+    """fn() with GPU ``index`` current; the call must leave it current."""
+    with torch.cuda.device(index):
+        out = fn()
+        assert torch.cuda.current_device() == index
+    return out
+
+
 @two_gpus
 @pytest.mark.parametrize("path", ["one_shot", "two_kernel", "small_batch"])
 def test_op_runs_on_the_inputs_gpu_not_the_current_one(path):
-    p = moelora_lab.make_problem("qwen3-30b-a3b", moelora_lab.LoRAShape(4, 16), 24, dtype=torch.bfloat16,
-                                 device="cuda:1", seed=5)
-    with torch.cuda.device(1):
-        want = moelora_lab.moe_lora(**p.w13_lora_inputs(), path=path)
-    with torch.cuda.device(0):
-        got = moelora_lab.moe_lora(**p.w13_lora_inputs(), path=path)
-        assert torch.cuda.current_device() == 0
-        blocks = moelora_lab.block_list_device(p.topk_ids, p.token_lora, 128, 4, 16)
+    p = second_gpu_problem(5)
+    want = with_current_gpu(1, lambda: moelora_lab.moe_lora(**p.w13_lora_inputs(), path=path))
+    got = with_current_gpu(0, lambda: moelora_lab.moe_lora(**p.w13_lora_inputs(), path=path))
     assert got.device == torch.device("cuda:1") and torch.equal(got, want)
-    assert all(t.device == torch.device("cuda:1") for t in blocks.tensors)
-    assert all(torch.equal(a, b) for a, b in zip(blocks.tensors,
-                                                moelora_lab.block_list(p.topk_ids, p.token_lora, 128, 4, 16).tensors))
+    blocks = with_current_gpu(0, lambda: moelora_lab.block_list_device(p.topk_ids, p.token_lora, 128, 4, 16))
+    spec = moelora_lab.block_list(p.topk_ids, p.token_lora, 128, 4, 16)
+    assert all(a.device == torch.device("cuda:1") and torch.equal(a, b) for a, b in zip(blocks.tensors, spec.tensors))
 
 
 @two_gpus
 @pytest.mark.parametrize("schedule", ["sequential", "dual_stream", "fused"])
 def test_layer_runs_on_the_inputs_gpu_not_the_current_one(schedule):
-    p = moelora_lab.make_problem("qwen3-30b-a3b", moelora_lab.LoRAShape(4, 16), 24, dtype=torch.bfloat16,
-                                 device="cuda:1", seed=6)
-    with torch.cuda.device(1):
-        want = moelora_lab.moe_lora_layer(**p.layer_inputs(), schedule=schedule)
+    p = second_gpu_problem(6)
+    want = with_current_gpu(1, lambda: moelora_lab.moe_lora_layer(**p.layer_inputs(), schedule=schedule))
     torch.cuda.synchronize(1)
-    with torch.cuda.device(0):
-        for _ in range(20):                              # a race between the streams would move the result
-            got = moelora_lab.moe_lora_layer(**p.layer_inputs(), schedule=schedule)
-            assert torch.equal(got, want)
-        assert torch.cuda.current_device() == 0
+    for _ in range(20):                              # a race between the streams would move the result
+        got = with_current_gpu(0, lambda: moelora_lab.moe_lora_layer(**p.layer_inputs(), schedule=schedule))
+        assert torch.equal(got, want)
     ref = moelora_lab.moe_layer_reference(**p.layer_inputs())
     torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))

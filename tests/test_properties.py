@@ -161,7 +161,8 @@ def _blocks_of_other_routing(p):
 
 OP_CORRUPTIONS = {
     "topk_ids out of range": (lambda p, kw: kw | dict(topk_ids=p.topk_ids.clone().fill_(4)), "topk_ids"),
-    "topk_ids negative": (lambda p, kw: kw | dict(topk_ids=p.topk_ids - 1), "topk_ids"),
+    "topk_ids negative": (lambda p, kw: kw | dict(topk_ids=p.topk_ids.flatten().index_fill(0, torch.tensor([3]), -1)
+                                                   .view_as(p.topk_ids)), "topk_ids"),
     "topk_ids float": (lambda p, kw: kw | dict(topk_ids=p.topk_ids.float()), "topk_ids"),
     "topk_ids 1-D": (lambda p, kw: kw | dict(topk_ids=p.topk_ids[:, 0]), "topk_ids"),
     "token_lora out of range": (lambda p, kw: kw | dict(token_lora=p.token_lora.clone().fill_(3)), "token_lora"),

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import moelora_lab as ml
+from moelora_lab.bench_eager import syncs_per_call
 from moelora_lab.dispatch import KernelConfig
 from moelora_lab.layer import moe_lora_layer, plan_layer
 from moelora_lab.ops import moe_lora
@@ -114,13 +115,13 @@ def test_plans_for_other_routing_or_adapters_are_rejected(device):
     assert y.shape == (9, SHAPE.hidden)
 
 
-def test_the_layer_checks_ids_unless_its_plan_did(monkeypatch):
+def test_the_layer_checks_ids_unless_its_plan_did(device, monkeypatch):
     """A plan made with validate=True vouches for its (unchanged) routing: no second check, no sync.
     One made with validate=False does not: the layer checks the ids itself."""
     import moelora_lab.layer as layer_mod
     seen = []
     monkeypatch.setattr(layer_mod, "check_values", lambda ranges: seen.append([r[0] for r in ranges]))
-    p = layer_problem("cpu", seed=30)
+    p = layer_problem(device, seed=30)
     E = SHAPE.num_experts
     for plan_checked, expect in ((True, []), (False, ["topk_ids", "token_lora"])):
         seen.clear()
@@ -206,17 +207,17 @@ def test_rank_zero_layer_is_the_base_layer(device, schedule):
 
 # ---- named errors ----------------------------------------------------------------------------------------------
 
-def test_named_errors_for_missing_or_unknown_arguments():
-    p = lora_case(4, seed=36)
+def test_named_errors_for_missing_or_unknown_arguments(device):
+    p = lora_case(4, seed=36, device=device)
     with pytest.raises(ValueError, match="topk_weights: required with mul_routed_weight=True"):
         moe_lora(p.x, p.topk_ids, None, p.token_lora, p.w13_lora_a, p.w13_lora_b, mul_routed_weight=True)
     out = moe_lora(p.x, p.topk_ids, None, p.token_lora, p.w13_lora_a, p.w13_lora_b, path="one_shot",
-                   config=tiles("cpu"))           # w13 needs no routing weight
+                   config=tiles(device))          # w13 needs no routing weight
     assert_close(out, ml.moe_lora_reference(**p.w13_lora_inputs()), torch.float32)
     with pytest.raises(ValueError, match="path: 'naive' is not one of 'reference', 'two_kernel', 'one_shot', "
                                          "'small_batch', 'auto'"):
         moe_lora(**p.w13_lora_inputs(), path="naive")
-    q = layer_problem("cpu", seed=37)
+    q = layer_problem(device, seed=37)
     E = SHAPE.num_experts
     with pytest.raises(ValueError, match="lora_path: 'bogus' is not one of 'two_kernel', 'one_shot', 'small_batch'"):
         plan_layer(q.topk_ids, q.token_lora, E, 3, 8, lora_path="bogus")
@@ -241,32 +242,19 @@ def test_check_values_reads_all_ranges_at_once():
         check_values([("a", ok - 1, 0, 3, "")])
 
 
-def test_validate_false_skips_only_the_value_checks():
-    p = lora_case(5, seed=38)
+def test_validate_false_skips_only_the_value_checks(device):
+    p = lora_case(5, seed=38, device=device)
     bad = p.topk_ids.clone()
     bad[0, 0] = 8                                              # expert 8 of 8: out of range
     with pytest.raises(ValueError, match="topk_ids: value 8 is out of range"):
         moe_lora(p.x, bad, p.topk_weights, p.token_lora, p.w13_lora_a, p.w13_lora_b, path="reference")
     with pytest.raises(ValueError, match="topk_ids: expected a 2-D tensor"):      # shapes: always checked
         moe_lora(p.x, bad[0], p.topk_weights, p.token_lora, p.w13_lora_a, p.w13_lora_b, validate=False)
-    good = moe_lora(**p.w13_lora_inputs(), validate=False, path="one_shot", config=tiles("cpu"))
+    good = moe_lora(**p.w13_lora_inputs(), validate=False, path="one_shot", config=tiles(device))
     assert_close(good, ml.moe_lora_reference(**p.w13_lora_inputs()), torch.float32)
 
 
 # ---- device synchronisations (GPU) ----------------------------------------------------------------------
-
-def count_syncs(fn) -> int:
-    """Synchronising CUDA calls made by ``fn()``, as torch's sync debug mode reports them."""
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            fn()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    return sum("synchronizing" in str(w.message) for w in caught)
-
 
 @pytest.mark.gpu
 def test_eager_calls_synchronise_once_or_not_at_all():
@@ -288,5 +276,5 @@ def test_eager_calls_synchronise_once_or_not_at_all():
     }
     for fn, _ in calls.values():
         fn()                                            # compile first
-    counts = {name: count_syncs(fn) for name, (fn, _) in calls.items()}
+    counts = {name: syncs_per_call(fn) for name, (fn, _) in calls.items()}
     assert counts == {name: want for name, (_, want) in calls.items()}
