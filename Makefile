@@ -1,16 +1,18 @@
 # moelora_lab: venv, JupyterLab, tests.
-#   make            -> same as `make test`
-#   make venv       -> .venv/ with the CPU pins (requirements-cpu.txt) + this package
-#   make lab        -> JupyterLab on notebooks/   (make lab PORT=8890 LAB_ARGS=--no-browser)
-#   make test       -> pytest on tests/ and the notebooks (nbval, lax mode)
-#   make notebooks  -> re-execute every notebook in place (refreshes stored outputs)
-#   make clean      -> remove .venv/
+#   make                -> same as `make test`
+#   make venv           -> .venv/ with the pinned CPU set (requirements-cpu.txt) + this package
+#   make lab            -> JupyterLab on notebooks/   (make lab PORT=8890 LAB_ARGS=--no-browser)
+#   make test           -> pytest on tests/ and the notebooks (nbval, lax mode)
+#   make test-triton36  -> the kernel tests again under triton 3.6.0 (its own venv, .venv-triton36/)
+#   make notebooks      -> re-execute every notebook in place (outputs refreshed, volatile metadata dropped)
+#   make clean          -> remove the venvs
 SHELL := /bin/bash
 
 PYTHON     ?= python3
 VENV       ?= .venv
 VPY        := $(VENV)/bin/python
 STAMP      := $(VENV)/.installed
+VENV36     := .venv-triton36
 
 PORT       ?= 8888
 LAB_ARGS   ?=
@@ -19,20 +21,31 @@ LAB_ROOT   := $(if $(filter 0,$(shell id -u)),--allow-root)
 # Seconds per notebook cell, for `make test` and `make notebooks`.
 CELL_TIMEOUT ?= 900
 PYTEST_ARGS  ?=
+PIP        := -m pip install --quiet --progress-bar off
 
 NOTEBOOKS  := $(wildcard notebooks/*.ipynb)
+# the kernel tests that run under the interpreter (the second triton version runs these)
+KERNEL_TESTS := tests/test_ops.py tests/test_layer.py tests/test_moe.py tests/test_align.py tests/test_validate.py \
+                tests/test_paths.py tests/test_streams.py tests/test_properties.py tests/test_compile.py
 
 .DEFAULT_GOAL := test
-.PHONY: venv lab test notebooks clean
+.PHONY: venv lab test test-triton36 notebooks clean check-python
+
+check-python:
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { \
+	  echo "moelora_lab needs Python >= 3.11; $(PYTHON) is $$($(PYTHON) --version 2>&1 || echo missing). Run e.g. make PYTHON=python3.11"; \
+	  exit 1; }
 
 venv: $(STAMP)
 
 # Requirements first, so the loose ranges of pyproject.toml are already met
 # and the editable install leaves the CPU torch in place.
-$(STAMP): pyproject.toml requirements-cpu.txt
+$(STAMP): pyproject.toml requirements-cpu.txt | check-python
 	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
-	$(VPY) -m pip install -r requirements-cpu.txt
-	$(VPY) -m pip install -e '.[lab,test]'
+	@echo "[1/2] $(VENV): the pinned requirements (first run: ~2 min and ~2 GB with a CPU torch)"
+	@$(VPY) $(PIP) -r requirements-cpu.txt
+	@echo "[2/2] $(VENV): moelora_lab itself (editable)"
+	@$(VPY) $(PIP) -e '.[lab,test]'
 	@touch $@
 
 lab: $(STAMP)
@@ -48,6 +61,18 @@ test: $(STAMP)
 	  --nbval-cell-timeout=$(CELL_TIMEOUT) \
 	  -p no:cacheprovider $(PYTEST_ARGS)
 
+$(VENV36)/.installed: pyproject.toml requirements-cpu.txt | check-python
+	@test -x $(VENV36)/bin/python || $(PYTHON) -m venv $(VENV36)
+	@echo "[1/2] $(VENV36): the pinned requirements, then triton 3.6.0 and numpy 2.3.5 in place of the pins"
+	@$(VENV36)/bin/python $(PIP) -r requirements-cpu.txt
+	@$(VENV36)/bin/python $(PIP) triton==3.6.0 numpy==2.3.5
+	@echo "[2/2] $(VENV36): moelora_lab itself (editable)"
+	@$(VENV36)/bin/python $(PIP) -e '.[test]'
+	@touch $@
+
+test-triton36: $(VENV36)/.installed
+	env -u MPLBACKEND $(VENV36)/bin/python -m pytest $(KERNEL_TESTS) -p no:cacheprovider $(PYTEST_ARGS)
+
 notebooks: $(STAMP)
 	@if [ -z "$(NOTEBOOKS)" ]; then echo "no notebooks/*.ipynb"; exit 0; fi
 	env -u MPLBACKEND PATH="$(abspath $(VENV))/bin:$$PATH" \
@@ -55,6 +80,7 @@ notebooks: $(STAMP)
 	  --ExecutePreprocessor.timeout=$(CELL_TIMEOUT) \
 	  --ExecutePreprocessor.kernel_name=python3 \
 	  $(NOTEBOOKS)
+	$(VPY) scripts/normalize_notebooks.py $(NOTEBOOKS)
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VENV36)

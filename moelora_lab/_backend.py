@@ -40,13 +40,20 @@ INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _check_numpy() -> None:
+    """numpy 2.4 breaks the triton 3.6 interpreter (loops with a runtime bound fail); 3.7 is fine."""
+    from importlib.metadata import PackageNotFoundError, version
+
     import numpy as np
 
+    try:
+        triton_version = tuple(int(v) for v in version("triton").split(".")[:2])
+    except (PackageNotFoundError, ValueError):
+        return
     major, minor = (int(v) for v in np.__version__.split(".")[:2])
-    if INTERPRET and (major, minor) >= (2, 4):
+    if INTERPRET and (major, minor) >= (2, 4) and triton_version < (3, 7):
         warnings.warn(
-            f"numpy {np.__version__} breaks the Triton 3.6 interpreter (loops with a runtime bound fail); "
-            "install numpy<2.4 to run the kernels on the CPU", RuntimeWarning, stacklevel=2)
+            f"numpy {np.__version__} breaks the Triton {version('triton')} interpreter (loops with a runtime bound "
+            "fail); install numpy<2.4, or triton>=3.7, to run the kernels on the CPU", RuntimeWarning, stacklevel=2)
 
 
 _check_numpy()
@@ -60,7 +67,12 @@ def on_device(t: torch.Tensor):
 
 def kernel_device() -> torch.device:
     """The device kernel inputs should live on: CUDA when kernels compile, else the CPU."""
-    return torch.device("cpu") if INTERPRET else torch.device("cuda")
+    if INTERPRET:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("MOELORA_INTERPRET=0 turned the Triton interpreter off, but no CUDA GPU is visible: "
+                           "kernels cannot run here. Unset MOELORA_INTERPRET (or set it to 1) to run them on the CPU")
+    return torch.device("cuda")
 
 
 def describe() -> str:

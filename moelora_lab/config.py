@@ -199,15 +199,48 @@ def make_problem(
     Tensors are drawn on the CPU from one seeded generator and then moved, so the device does
     not change the values.
 
-    Workload knobs:
-      adapter_popularity   'identical' | 'distinct' | 'uniform' | 'zipf:<a>' | 'skewed' (Punica's families)
-      no_adapter_fraction  fraction of sequences served without an adapter (token_lora = -1)
-      expert_skew          0 = uniform routing; > 0 adds a zipf-like bias -skew*log(rank_e) to the
-                           router logits of a random expert order, so a few experts get most pairs
-      num_sequences        tokens form this many contiguous sequences, each with one adapter
-                           (default: every token is its own sequence)
-      adapter_ranks        actual rank of each slot (<= lora.rank); the rest is zero padding
-      with_base            also build the base w13 / w2 (large for real presets)
+    Parameters
+    ----------
+    shape : MoEShape or str
+        The layer (H hidden, I expert intermediate, E experts, top-k), or a name of ``PRESETS``
+        ('qwen3-30b-a3b', 'deepseek-v2-lite', 'mixtral-8x7b', 'olmoe-1b-7b', 'gpt-oss-20b', 'tiny').
+    lora : LoRAShape
+        L adapter slots of (maximum) rank r.
+    num_tokens : int
+        M, the tokens of the batch.
+    dtype : torch.dtype
+        Of x and the weights: float32, float16 or bfloat16 (routing weights stay float32).
+    device : str or torch.device
+        Where the tensors go (``moelora_lab.kernel_device()`` is where the kernels run).
+    seed : int
+        Same seed, same tensors.
+    adapter_popularity : str
+        Which slot each sequence uses, Punica's families: 'identical' (all slot 0), 'distinct'
+        (round robin), 'uniform', 'zipf:<a>' (P(slot i) ~ 1/(i+1)^a), 'skewed' (zipf:1.5).
+    no_adapter_fraction : float
+        Fraction of sequences served without an adapter (their token_lora is -1).
+    expert_skew : float
+        0 = uniform routing; > 0 adds a zipf-like bias -skew*log(rank_e) to the router logits of a
+        random expert order, so a few experts get most pairs.
+    num_sequences : int, optional
+        Tokens form this many contiguous sequences, each with one adapter (default: every token
+        is its own sequence).
+    with_base : bool
+        Also build the base w13 [E, 2I, H] and w2 [E, H, I] (large for real presets).
+    renormalize : bool
+        Divide the top-k routing weights by their sum.
+    adapter_ranks : sequence of int, optional
+        Actual rank of each slot (<= r); A and B past it are zero padding.
+
+    Returns
+    -------
+    Problem
+        x [M, H]; router_logits [M, E] fp32; topk_weights [M, k] fp32; topk_ids [M, k] int32;
+        token_lora [M] int32 (-1 = no adapter); w13_lora_a / w13_lora_b: 2 slices (gate, up) of
+        A [L, E, r, H] and B [L, E, I, r]; w2_lora_a / w2_lora_b: 1 slice of A [L, E, r, I] and
+        B [L, E, H, r] (scaling folded into B); w13, w2 with ``with_base``. ``p.w13_lora_inputs()``
+        and ``p.layer_inputs()`` are the keyword arguments of :func:`moelora_lab.moe_lora` and
+        :func:`moelora_lab.moe_lora_layer`.
     """
     if isinstance(shape, str):
         shape = MoEShape.from_name(shape)

@@ -32,6 +32,18 @@ def test_cpu_default_is_the_interpreter():
     assert moelora_lab.kernel_device().type == "cpu"
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a GPU")
+def test_interpreter_off_without_a_gpu_says_which_variable():
+    code = ("import moelora_lab\nprint(moelora_lab.describe())\n"
+            "try:\n    moelora_lab.kernel_device()\nexcept RuntimeError as e:\n    print('raised:', e)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"MOELORA_INTERPRET": "0"}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    described, raised = res.stdout.strip().splitlines()
+    assert "MOELORA_INTERPRET=0 turned the Triton interpreter off" in described
+    assert raised.startswith("raised: MOELORA_INTERPRET=0 turned the Triton interpreter off, but no CUDA GPU")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter is only switched on without a GPU")
 def test_triton_imported_first_fails_with_the_fix():
     env = {k: v for k, v in os.environ.items() if k not in ("MOELORA_INTERPRET", "TRITON_INTERPRET")}
