@@ -33,7 +33,7 @@ KERNEL_TESTS := tests/test_ops.py tests/test_layer.py tests/test_moe.py tests/te
 
 check-python:
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { \
-	  echo "moelora_lab needs Python >= 3.11; $(PYTHON) is $$($(PYTHON) --version 2>&1 || echo missing). Run e.g. make PYTHON=python3.11"; \
+	  echo "moelora_lab needs Python >= 3.11; $(PYTHON) is $$($(PYTHON) --version 2>/dev/null || echo missing). Run e.g. make PYTHON=python3.11"; \
 	  exit 1; }
 
 venv: $(STAMP)
