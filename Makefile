@@ -21,7 +21,7 @@ LAB_ROOT   := $(if $(filter 0,$(shell id -u)),--allow-root)
 # Seconds per notebook cell, for `make test` and `make notebooks`.
 CELL_TIMEOUT ?= 900
 PYTEST_ARGS  ?=
-PIP        := -m pip install --quiet --progress-bar off
+PIP        := -m pip install --quiet --quiet --progress-bar off
 
 NOTEBOOKS  := $(wildcard notebooks/*.ipynb)
 # the kernel tests that run under the interpreter (the second triton version runs these)
