@@ -13,7 +13,7 @@ import triton
 from ._backend import INTERPRET, on_device
 from .blocks import BlockList, RoutingStamp
 from .kernels.align import count_kernel, scan_kernel, scatter_kernel, table_kernel
-from .routing import block_list, max_blocks
+from .routing import block_tensors, max_blocks
 from .validate import check_int, check_routing
 
 SUB = 64           # pairs placed per step of the scatter (a [SUB, SUB] comparison finds ranks)
@@ -28,11 +28,13 @@ def block_list_device(topk_ids: torch.Tensor, token_lora: torch.Tensor, num_expe
     """
     check_int("block_size", block_size, low=1)
     check_routing(topk_ids, token_lora, num_experts, num_loras, values=validate)
-    with on_device(topk_ids):
-        return _block_list_device(topk_ids, token_lora, num_experts, num_loras, block_size, validate)
+    tensors = _block_tensors_device(topk_ids, token_lora, num_experts, num_loras, block_size)
+    return BlockList(*tensors, RoutingStamp.of(topk_ids, token_lora, num_experts, num_loras, block_size,
+                                               values_checked=validate))
 
 
-def _block_list_device(topk_ids, token_lora, num_experts, num_loras, block_size, validate):
+def _block_tensors_device(topk_ids, token_lora, num_experts, num_loras, block_size):
+    """(sorted_pairs, block_lora, block_expert) by the four kernels, for checked shapes."""
     M, k = topk_ids.shape
     n, E, L, bs, dev = M * k, num_experts, num_loras, block_size, topk_ids.device
     G = L * E
@@ -47,13 +49,13 @@ def _block_list_device(topk_ids, token_lora, num_experts, num_loras, block_size,
     pairs = torch.full((B * bs,), n, dtype=torch.int32, device=dev)
     block_lora = torch.empty(B, dtype=torch.int32, device=dev)
     block_expert = torch.empty(B, dtype=torch.int32, device=dev)
-    count_kernel[(NC,)](ids, lora, counts, n, k, E, G, C=C, GP=GP)
-    scan_kernel[(1,)](counts, first, NC, G, BS=bs, GP=GP)
-    scatter_kernel[(NC,)](ids, lora, counts, first, pairs, n, k, E, G, C=C, SUB=SUB, GP=GP, BS=bs)
     bb = max(1, 4096 // GP)
-    table_kernel[(triton.cdiv(B, bb),)](first, block_lora, block_expert, B, E, G, BB=bb, GP=GP)
-    stamp = RoutingStamp.of(topk_ids, token_lora, E, L, bs, values_checked=validate)
-    return BlockList(pairs, block_lora, block_expert, stamp)
+    with on_device(topk_ids):
+        count_kernel[(NC,)](ids, lora, counts, n, k, E, G, C=C, GP=GP)
+        scan_kernel[(1,)](counts, first, NC, G, BS=bs, GP=GP)
+        scatter_kernel[(NC,)](ids, lora, counts, first, pairs, n, k, E, G, C=C, SUB=SUB, GP=GP, BS=bs)
+        table_kernel[(triton.cdiv(B, bb),)](first, block_lora, block_expert, B, E, G, BB=bb, GP=GP)
+    return pairs, block_lora, block_expert
 
 
 def make_blocks(topk_ids: torch.Tensor, token_lora: torch.Tensor | None, num_experts: int, num_loras: int,
@@ -64,9 +66,11 @@ def make_blocks(topk_ids: torch.Tensor, token_lora: torch.Tensor | None, num_exp
     ``token_lora=None`` groups the pairs by expert only (the base GEMM's blocks); ``values_checked``
     says whether the caller has range-checked the ids (recorded in the stamp, not done here).
     """
+    L = 1 if token_lora is None else num_loras
     lora = torch.zeros_like(topk_ids[:, 0]) if token_lora is None else token_lora
-    build = block_list_device if topk_ids.is_cuda and not INTERPRET else block_list
-    blocks = build(topk_ids, lora, num_experts, 1 if token_lora is None else num_loras, block_size, validate=False)
-    stamp = RoutingStamp.of(topk_ids, token_lora, num_experts, 1 if token_lora is None else num_loras, block_size,
-                            values_checked=values_checked)
-    return BlockList(*blocks.tensors, stamp)
+    if topk_ids.is_cuda and not INTERPRET:
+        tensors = _block_tensors_device(topk_ids, lora, num_experts, L, block_size)
+    else:
+        tensors = block_tensors(topk_ids, lora, num_experts, L, block_size, validate=False)
+    return BlockList(*tensors, RoutingStamp.of(topk_ids, token_lora, num_experts, L, block_size,
+                                               values_checked=values_checked))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .paths import PATHS, TRITON_PATHS, resolve_path
+from .paths import KERNEL_CHOICES, PATHS, resolve_path
 
 DEFAULT_OUT = Path(__file__).parent / "data" / "h200"
 DEVICE = "cuda"   # the benchmarks run on CUDA; tests point this at the CPU to run the pipeline end to end
@@ -25,7 +25,7 @@ DEVICE = "cuda"   # the benchmarks run on CUDA; tests point this at the CPU to r
 
 def device() -> str:
     return DEVICE
-KERNEL_PATHS = TRITON_PATHS + ("auto",)      # from the table of paths (paths.PATHS)
+KERNEL_PATHS = KERNEL_CHOICES                # from the table of paths (paths.PATHS)
 
 
 def sweep_routing(shape, num_loras: int, M: int, seed: int):

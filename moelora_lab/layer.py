@@ -48,9 +48,9 @@ from .dispatch import choose_config
 from .moe import (MAX_FUSED_COLUMNS, GemmLoRA, fused_columns, gemm_tiles, moe_gemm, silu_and_mul,
                   topk_sum)
 from .ops import run_lora
-from .paths import TRITON_PATHS, get_path, resolve_path
+from .paths import KERNEL_CHOICES, get_path, resolve_path
 from .streams import SIDE_PRIORITIES, Streams
-from .validate import (check_choice, check_int, check_layer_inputs, check_lora_ranks, check_plan, check_routing,
+from .validate import (ANY_SLOT, check_choice, check_int, check_layer_inputs, check_lora_ranks, check_plan, check_routing,
                        check_values, routing_ranges)
 
 SCHEDULES = ("sequential", "dual_stream", "fused", "auto")
@@ -110,8 +110,8 @@ def plan_layer(topk_ids, token_lora, num_experts: int, num_loras: int | None, ra
                             "num_loras=None to plan a layer without LoRA")
         check_int("rank", rank, low=0)
     check_choice("schedule", schedule, SCHEDULES)
-    get_path(lora_path, "lora_path", TRITON_PATHS + ("auto",))
-    L = num_loras or 2**31 - 1
+    get_path(lora_path, "lora_path", KERNEL_CHOICES)
+    L = num_loras or ANY_SLOT
     M, k = check_routing(topk_ids, token_lora, E, L, values=validate)
     P = M * k
     tiles = gemm_tiles(P, E)
@@ -182,12 +182,12 @@ def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=No
     check_choice("side_priority", side_priority, SIDE_PRIORITIES)
     check_choice("join", join, JOINS)
     check_choice("schedule", schedule, SCHEDULES)
-    get_path(lora_path, "lora_path", TRITON_PATHS + ("auto",))
+    get_path(lora_path, "lora_path", KERNEL_CHOICES)
     with_lora = L is not None
     ranges = check_lora_ranks(lora_ranks, L, r) if with_lora else []
     checked = check_plan(plan, topk_ids, token_lora, E, L, r) if plan is not None else False
     if validate:
-        check_values(ranges + ([] if checked else routing_ranges(topk_ids, token_lora, E, L or 2**31 - 1)))
+        check_values(ranges + ([] if checked else routing_ranges(topk_ids, token_lora, E, L or ANY_SLOT)))
     if x.device.type != "cuda" and not INTERPRET:
         raise ValueError(f"x: the layer's Triton kernels need CUDA tensors (got {x.device}); set "
                          "MOELORA_INTERPRET=1 before importing moelora_lab to run them on the CPU")

@@ -201,6 +201,7 @@ PATHS: dict[str, LoRAPath] = {p.name: p for p in (
 )}
 TRITON_PATHS = tuple(name for name, p in PATHS.items() if p.triton)
 PATH_CHOICES = tuple(PATHS) + ("auto",)      # what ``moe_lora(path=...)`` accepts
+KERNEL_CHOICES = TRITON_PATHS + ("auto",)    # what the layer's ``lora_path=`` and ``bench --paths`` accept
 
 
 def get_path(name: str, argument: str = "path", choices: tuple = PATH_CHOICES) -> str:

@@ -160,6 +160,13 @@ def block_list(topk_ids: torch.Tensor, token_lora: torch.Tensor, num_experts: in
     The result remembers the routing it was built for (see :class:`BlockList`); ``validate=False``
     skips the id-range checks (one device synchronisation) for ids checked already.
     """
+    tensors = block_tensors(topk_ids, token_lora, num_experts, num_loras, block_size, validate=validate)
+    return BlockList(*tensors, RoutingStamp.of(topk_ids, token_lora, num_experts, num_loras, block_size,
+                                               values_checked=validate))
+
+
+def block_tensors(topk_ids, token_lora, num_experts: int, num_loras: int, block_size: int, *, validate: bool = True):
+    """The three tensors of :func:`block_list` (sorted_pairs, block_lora, block_expert), no stamp."""
     order, group, valid, rank, counts = _group_pairs(topk_ids, token_lora, num_experts, num_loras, block_size,
                                                      validate)
     M, k = topk_ids.shape
@@ -179,9 +186,8 @@ def block_list(topk_ids: torch.Tensor, token_lora: torch.Tensor, num_experts: in
     used = owner < L * E
     owner = torch.where(used, owner, torch.zeros_like(owner))
     none = torch.full_like(owner, -1)
-    return BlockList(pairs[: B * bs], torch.where(used, owner // E, none).to(torch.int32),
-                     torch.where(used, owner % E, none).to(torch.int32),
-                     RoutingStamp.of(topk_ids, token_lora, E, L, bs, values_checked=validate))
+    return (pairs[: B * bs], torch.where(used, owner // E, none).to(torch.int32),
+            torch.where(used, owner % E, none).to(torch.int32))
 
 
 def naive_block_list(topk_ids: torch.Tensor, token_lora: torch.Tensor, num_experts: int, num_loras: int,

@@ -22,6 +22,10 @@ from .basic import (FLOAT_DTYPES, INDEX_DTYPES, check_choice, check_int, check_n
                     check_rows, check_same_device, check_tensor, check_values)
 
 
+# without LoRA weights any adapter id of token_lora is accepted: checks use this many slots
+ANY_SLOT = 2**31 - 1
+
+
 # ---- routing ---------------------------------------------------------------------------------
 
 
