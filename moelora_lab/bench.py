@@ -10,7 +10,6 @@ Shape legend: M tokens, E experts, k top-k, L adapters, r rank, K in, N out, S s
 from __future__ import annotations
 
 import argparse
-import csv
 import shlex
 import sys
 from pathlib import Path
@@ -18,8 +17,8 @@ from pathlib import Path
 import torch
 
 from .paths import KERNEL_CHOICES, PATHS, resolve_path
+from .results import DATA_DIR as DEFAULT_OUT, read_csv, write_csv  # noqa: F401  (read_csv: re-exported)
 
-DEFAULT_OUT = Path(__file__).parent / "data" / "h200"
 DEVICE = "cuda"   # the benchmarks run on CUDA; tests point this at the CPU to run the pipeline end to end
 
 
@@ -68,15 +67,17 @@ def run_kernels(args) -> list[dict]:
 
     from .dispatch import choose_config
     from .ops import moe_lora
-    from .profile.timing import copy_bandwidth, provenance, time_cuda
+    from .profile.timing import copy_bandwidth, matmul_rate, provenance, time_cuda
     from .profile.traffic import count_workload, lora_op_traffic
     from .align import make_blocks
     from .routing import block_list
 
     dtype = getattr(torch, args.dtype)
-    prov = provenance("python -m moelora_lab.bench " + " ".join(shlex.quote(a) for a in args.argv))
-    copy_bps = copy_bandwidth()
-    print(f"{prov['gpu']}: copy ceiling {copy_bps / 1e12:.3f} TB/s", file=sys.stderr)
+    prov = provenance(args.command)
+    copy_bps, flops_per_s = copy_bandwidth(), matmul_rate(dtype)
+    ceilings = dict(copy_tbps=round(copy_bps / 1e12, 4), matmul_tflops=round(flops_per_s / 1e12, 1))
+    print(f"{prov['gpu']}: copy ceiling {ceilings['copy_tbps']:.3f} TB/s, {args.dtype} matmul "
+          f"{ceilings['matmul_tflops']} TFLOP/s", file=sys.stderr)
     gen = torch.Generator(device=device()).manual_seed(args.seed)
     rows = []
     cases = list(_kernel_cases(args))
@@ -116,8 +117,7 @@ def run_kernels(args) -> list[dict]:
                     us_median=round(t.median_us, 2),
                     us_p20=round(t.p20_us, 2), us_p80=round(t.p80_us, 2), bytes=traffic.bytes,
                     flops=traffic.flops, floor_us=round(traffic.floor_us(copy_bps), 2),
-                    achieved_tbps=round(traffic.bytes / (t.median_us * 1e-6) / 1e12, 4),
-                    copy_tbps=round(copy_bps / 1e12, 4), **prov))
+                    achieved_tbps=round(traffic.bytes / (t.median_us * 1e-6) / 1e12, 4), **ceilings, **prov))
             if args.time_alignment:
                 cfg = choose_config("one_shot", M * k, min(M * k, work.touched_adapter_experts or 1), n_out, S,
                                     x.device)
@@ -126,7 +126,7 @@ def run_kernels(args) -> list[dict]:
                                  dtype=args.dtype, block_m=cfg.block_m, block_n=0, n_chunks=1,
                                  us_median=round(t.median_us, 2), us_p20=round(t.p20_us, 2),
                                  us_p80=round(t.p80_us, 2), bytes=0, flops=0, floor_us=0, achieved_tbps=0,
-                                 copy_tbps=round(copy_bps / 1e12, 4), **prov))
+                                 **ceilings, **prov))
         del lora_a, lora_b
         torch.cuda.empty_cache()
     bar.close()
@@ -140,7 +140,7 @@ def run_registers(args) -> list[dict]:
     from .profile.report import one_shot_report
     from .profile.timing import provenance
 
-    prov = provenance("python -m moelora_lab.bench " + " ".join(shlex.quote(a) for a in args.argv))
+    prov = provenance(args.command)
     rows = []
     cases = [(r, bm, mbr) for r in args.ranks for bm in args.block_m for mbr in args.max_block_r]
     for rank, block_m, max_block_r in tqdm(cases, desc="compile", unit="kernel"):
@@ -163,7 +163,7 @@ def run_align(args) -> list[dict]:
     from .profile.timing import provenance, time_cuda
     from .routing import block_list
 
-    prov = provenance("python -m moelora_lab.bench " + " ".join(shlex.quote(a) for a in args.argv))
+    prov = provenance(args.command)
     rows = []
     for preset in args.presets:
         shape = MoEShape.from_name(preset)
@@ -179,27 +179,6 @@ def run_align(args) -> list[dict]:
                                  us_median=round(t.median_us, 2), us_p20=round(t.p20_us, 2),
                                  us_p80=round(t.p80_us, 2), **prov))
     return rows
-
-
-def write_csv(rows: list[dict], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-
-
-def read_csv(path) -> list[dict]:
-    """Rows of a benchmark CSV with numbers converted back to int/float."""
-    def conv(v):
-        for cast in (int, float):
-            try:
-                return cast(v)
-            except ValueError:
-                pass
-        return v
-    with open(path, newline="") as f:
-        return [{k: conv(v) for k, v in row.items()} for row in csv.DictReader(f)]
 
 
 def sweep_parser(sub, what: str, help: str, *, name: str, tokens, presets=("qwen3-30b-a3b",), ranks=None,
@@ -261,7 +240,21 @@ def parse_args(argv):
         from .bench_layer import VARIANTS
         args.variants = args.variants or list(VARIANTS)
     args.argv = list(argv)
+    args.command = command_line(argv)
     return args
+
+
+def command_line(argv) -> str:
+    """The command that reproduces a run, as recorded in its data (``--out`` is where it was written,
+    not how it was measured, and is left out)."""
+    kept, argv = [], list(argv)
+    while argv:
+        a = argv.pop(0)
+        if a == "--out":
+            argv.pop(0)
+        elif not a.startswith("--out="):
+            kept.append(a)
+    return "python -m moelora_lab.bench " + " ".join(shlex.quote(a) for a in kept)
 
 
 def main(argv=None) -> int:

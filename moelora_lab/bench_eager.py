@@ -12,7 +12,6 @@ Shape legend: M tokens, E experts, k top-k, L adapters, r rank.
 """
 from __future__ import annotations
 
-import shlex
 import time
 import warnings
 
@@ -95,7 +94,7 @@ def run_eager(args) -> list[dict]:
     from .profile.timing import provenance, time_cuda
 
     dtype = getattr(torch, args.dtype)
-    prov = provenance("python -m moelora_lab.bench " + " ".join(shlex.quote(a) for a in args.argv))
+    prov = provenance(args.command)
     gen = torch.Generator(device=device()).manual_seed(args.seed)
     rows = []
     cases = [(p, r, m) for p in args.presets for r in args.ranks for m in args.tokens]

@@ -10,7 +10,6 @@ Shape legend: M tokens, E experts, k top-k, L adapters, r rank, H hidden, I expe
 """
 from __future__ import annotations
 
-import shlex
 import sys
 import time
 
@@ -55,7 +54,7 @@ def run_gemm(args) -> list[dict]:
     from .profile.timing import provenance, time_cuda
 
     dtype = getattr(torch, args.dtype)
-    prov = provenance("python -m moelora_lab.bench " + " ".join(shlex.quote(a) for a in args.argv))
+    prov = provenance(args.command)
     gen = torch.Generator(device=device()).manual_seed(args.seed)
     rows, start = [], time.monotonic()
     for preset in args.presets:

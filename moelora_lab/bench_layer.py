@@ -20,7 +20,6 @@ Shape legend: M tokens, E experts, k top-k, L adapters, r rank, H hidden, I expe
 """
 from __future__ import annotations
 
-import shlex
 import sys
 import time
 import warnings
@@ -66,7 +65,7 @@ def run_layer(args) -> tuple[list[dict], dict]:
     from .profile.traffic import count_workload, layer_traffic
 
     dtype = getattr(torch, args.dtype)
-    prov = provenance("python -m moelora_lab.bench " + " ".join(shlex.quote(a) for a in args.argv))
+    prov = provenance(args.command)
     copy_bps, flops_per_s = copy_bandwidth(), matmul_rate(dtype)
     gen = torch.Generator(device=device()).manual_seed(args.seed)
     rows, traces = [], {}

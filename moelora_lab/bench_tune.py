@@ -13,7 +13,6 @@ Shape legend: M tokens, E experts, k top-k, L adapters, r rank, K in, N out, S s
 """
 from __future__ import annotations
 
-import shlex
 import sys
 import time
 
@@ -59,7 +58,7 @@ def run_layout(args) -> list[dict]:
     from .routing import block_list
 
     dtype = getattr(torch, args.dtype)
-    prov = provenance("python -m moelora_lab.bench " + " ".join(shlex.quote(a) for a in args.argv))
+    prov = provenance(args.command)
     gen = torch.Generator(device=device()).manual_seed(args.seed)
     rows = []
     for preset in args.presets:
@@ -126,7 +125,7 @@ def run_tune(args) -> list[dict]:
     from .routing import block_list
 
     dtype = getattr(torch, args.dtype)
-    prov = provenance("python -m moelora_lab.bench " + " ".join(shlex.quote(a) for a in args.argv))
+    prov = provenance(args.command)
     copy_bps = copy_bandwidth()
     gen = torch.Generator(device=device()).manual_seed(args.seed)
     rows, start = [], time.monotonic()

@@ -7,6 +7,7 @@ import torch
 
 import moelora_lab.profile.timing as timing
 from moelora_lab import bench
+from moelora_lab.results import DATA_SCHEMA, config_fingerprint
 
 
 @pytest.fixture
@@ -126,3 +127,12 @@ def test_eager_pipeline(cpu_bench, tmp_path, monkeypatch):
                        "--out", str(tmp_path)]) == 0
     rows = bench.read_csv(tmp_path / "eager.csv")
     assert {(r["what"], r["way"]) for r in rows} == {(w, v) for w in ("op", "layer") for v in eager.WAYS}
+
+
+def test_recorded_command_leaves_out_the_output_folder(cpu_bench, tmp_path):
+    assert bench.command_line(["layer", "--out", "/x", "--ranks", "16"]) == "python -m moelora_lab.bench layer --ranks 16"
+    assert bench.command_line(["align", f"--out={tmp_path}"]) == "python -m moelora_lab.bench align"
+    assert bench.main(["align", "--presets", "tiny", "--tokens", "4", "--out", str(tmp_path)]) == 0
+    row = bench.read_csv(tmp_path / "align.csv")[0]
+    assert row["command"] == "python -m moelora_lab.bench align --presets tiny --tokens 4"
+    assert (row["schema"], row["config"]) == (DATA_SCHEMA, config_fingerprint()) and row["code"]

@@ -32,7 +32,7 @@ def traces():
 
 
 def test_data_label_and_trace_name():
-    assert data_label(META) == "GPU, torch 2.0, triton 3.0, 2026-01-01"
+    assert data_label(dict(META, code="abc")) == "GPU, torch 2.0, triton 3.0, 2026-01-01, code abc"
     with pytest.raises(KeyError, match="provenance field"):
         data_label({"gpu": "GPU"})
     assert trace_name("qwen3-30b-a3b", 16, 64, "dual_stream") == "qwen3-30b-a3b_M16_r64_dual_stream"

@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from moelora_lab.profile.timeline import load_traces, overlap_metrics, save_traces
+from moelora_lab.profile.timeline import overlap_metrics, save_traces
+from moelora_lab.results import load_traces, stamp
 
 REC = [
     dict(stream="main", name="base_w13", start_us=0.0, end_us=10.0),
@@ -33,20 +34,16 @@ def test_overlap_metrics_sequential_and_errors():
 
 def test_traces_round_trip(tmp_path):
     path = tmp_path / "t.json"
-    save_traces({"case": dict(meta={"M": 16}, records=REC)}, path)
-    assert load_traces(path)["case"]["records"][1]["name"] == "lora_w13"
+    save_traces({"case": dict(meta={"M": 16, **stamp()}, records=REC)}, path)
+    assert load_traces("t", tmp_path)["case"]["records"][1]["name"] == "lora_w13"
     path.write_text(json.dumps({"bad": {"records": []}}))
     with pytest.raises(ValueError, match="case 'bad' lacks 'meta' or 'records'"):
-        load_traces(path)
+        load_traces("t", tmp_path)
 
 
 def test_committed_h200_traces():
     """The committed layer timelines: sequential never overlaps; two streams do; metrics recompute."""
-    from pathlib import Path
-
-    import moelora_lab
-
-    traces = load_traces(Path(moelora_lab.__file__).parent / "data" / "h200" / "layer_traces.json")
+    traces = load_traces()
     assert len(traces) == 10
     assert sorted(t["meta"]["schedule"] for t in traces.values()).count("fused") == 2
     for name, t in traces.items():

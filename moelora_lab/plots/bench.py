@@ -102,7 +102,7 @@ def save_kernel_plots(rows, out_dir, name="kernels"):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..bench import read_csv
+    from ..results import read_csv
 
     vllm_csv = Path(__file__).resolve().parent.parent / "data" / "h200" / "vllm_reference.csv"
     vllm_rows = read_csv(vllm_csv) if vllm_csv.exists() else None

@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .bench import log_axes, plot_band, select
+from ..results import label
 
 VARIANT_STYLE = {
     "no_lora": dict(color="black", marker="o", label="no LoRA"),
@@ -90,13 +91,7 @@ def save_layer_plots(rows, out_dir, name="layer"):
 STAGE_PAIRS = (("w13", "base_w13", "lora_w13"), ("w2", "base_w2", "lora_w2"))
 
 
-def data_label(row) -> str:
-    """Provenance of a committed row or trace meta: 'GPU, torch X, triton Y, date'."""
-    missing = [k for k in ("gpu", "torch", "triton", "date") if k not in row]
-    if missing:
-        raise KeyError(f"row: provenance field(s) {', '.join(missing)} missing; expected a row of a committed "
-                       "CSV or the 'meta' of a committed trace")
-    return f"{row['gpu']}, torch {row['torch']}, triton {row['triton']}, {row['date']}"
+data_label = label   # provenance line of a committed row or trace meta (moelora_lab.results.label)
 
 
 def trace_name(preset: str, M: int, rank: int, schedule: str) -> str:

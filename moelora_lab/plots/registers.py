@@ -3,7 +3,7 @@
 Shape legend: BM = BLOCK_M pairs per block, BR = BLOCK_R rank columns per register tile, r rank.
 
 ``draw_*(ax, rows, **params)`` draw on a matplotlib Axes and return None. ``rows`` are dicts as
-``moelora_lab.bench.read_csv`` returns them: registers.csv (``bench registers``) for the register
+``moelora_lab.results.load`` returns them: registers.csv (``bench registers``) for the register
 and occupancy plots, kernels.csv (``bench kernels``) for the timing plot.
 """
 from __future__ import annotations

@@ -5,7 +5,7 @@ intermediate [S, M*k, r] of the two-kernel path.
 
 ``traffic_table`` evaluates the byte model (``profile.traffic``) per M and path; the ``draw_*``
 functions draw on the Axes they are given and return None. Measured rows are dicts as read by
-``moelora_lab.bench.read_csv`` from the committed H200 CSVs.
+``moelora_lab.results.load`` from the committed H200 CSVs.
 """
 from __future__ import annotations
 

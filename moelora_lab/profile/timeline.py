@@ -106,11 +106,3 @@ def overlap_metrics(records, main: str = "main", side: str = "lora") -> dict:
 def save_traces(traces: dict, path) -> None:
     """``traces``: case name -> {"meta": {...}, "records": [...]}; one small JSON file."""
     Path(path).write_text(json.dumps(traces, indent=1))
-
-
-def load_traces(path) -> dict:
-    traces = json.loads(Path(path).read_text())
-    for name, t in traces.items():
-        if "records" not in t or "meta" not in t:
-            raise ValueError(f"{path}: case {name!r} lacks 'meta' or 'records'")
-    return traces

@@ -67,8 +67,11 @@ def matmul_rate(dtype: torch.dtype = torch.bfloat16, n: int = 8192) -> float:
 
 
 def provenance(command: str) -> dict:
-    """What produced a measurement: GPU, software versions, date, command."""
+    """What produced a measurement: GPU, software versions, date, command, and the code's stamp
+    (schema, tile-rule fingerprint, commit: see :mod:`moelora_lab.results`)."""
     import triton
+
+    from ..results import stamp
 
     return {
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)",
@@ -77,4 +80,5 @@ def provenance(command: str) -> dict:
         "python": platform.python_version(),
         "date": datetime.date.today().isoformat(),
         "command": command,
+        **stamp(),
     }

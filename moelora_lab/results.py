@@ -1,0 +1,151 @@
+"""Committed GPU measurements: where they live, what produced them, and whether they still fit the code.
+
+Every row a benchmark writes carries its provenance (``gpu``, ``torch``, ``triton``, ``python``,
+``date``, ``command``) and a stamp of the code that produced it:
+
+* ``schema``: :data:`DATA_SCHEMA`, raised whenever a file's columns or their meaning change;
+* ``config``: :func:`config_fingerprint`, a hash of the tile tables and dispatch rules (what
+  ``path="auto"``, the tile rules and the layer's schedule rule return over a fixed grid of
+  shapes), so a change of any rule makes every file measured under the old one stale;
+* ``code``: the commit the data was measured with (:func:`code_version`).
+
+:func:`load` refuses a file whose schema or config differs from the code's, naming the file and
+the command that regenerates the whole set (:data:`REGENERATE`).
+
+Shape legend: M tokens, E experts, k top-k, L adapters, r rank, K in, N out, S slices.
+"""
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import os
+import subprocess
+from pathlib import Path
+
+DATA_SCHEMA = 3
+DATA_DIR = Path(__file__).parent / "data" / "h200"
+REGENERATE = "bash scripts/gpu_data.sh"     # on a CUDA machine, from the repository root
+_FINGERPRINT_SMS = 132                      # the rules are fingerprinted for an H200's SM count
+
+
+class StaleDataError(RuntimeError):
+    """A data file was produced by an older schema or tile configuration than the code expects."""
+
+
+def _rule_table() -> list:
+    """What every tile and dispatch rule returns over a fixed grid of shapes (the input of the hash)."""
+    from .dispatch import CONFIGS, choose_path, gpu_config
+    from .layer import DUAL_STREAM_MAX_PAIRS_PER_EXPERT
+    from .moe import MAX_FUSED_COLUMNS, gpu_gemm_tiles
+    from .streams import SIDE_PRIORITIES
+
+    pairs = [1, 2, 8, 16, 32, 64, 128, 512, 1024, 4096, 8192, 65536]
+    ranks = [None, 8, 16, 32, 64, 128, 192, 256, 512]
+    table: list = [sorted((name, repr(cfg)) for name, cfg in CONFIGS.items()),
+                   DUAL_STREAM_MAX_PAIRS_PER_EXPERT, MAX_FUSED_COLUMNS, SIDE_PRIORITIES[0]]
+    for p in pairs:
+        for groups in (1, 8, 64, 512):
+            table.append([choose_path(p, groups, 4, r or 16) for r in ranks])
+            for path in ("one_shot", "two_kernel", "small_batch"):
+                for n_out, slices in ((768, 2), (2048, 1), (1408, 2)):
+                    table.append([repr(gpu_config(path, p, groups, n_out, slices, _FINGERPRINT_SMS, rank=r))
+                                  for r in ranks])
+    for per_expert in (0.5, 1, 2, 3, 8, 16, 17, 32, 33, 96, 97, 512):
+        table.append([gpu_gemm_tiles(per_expert, lora=lora) for lora in (False, True)])
+    return table
+
+
+def config_fingerprint() -> str:
+    """12 hex digits that change whenever a tile table or dispatch rule returns something else."""
+    return hashlib.sha256(repr(_rule_table()).encode()).hexdigest()[:12]
+
+
+def code_version() -> str:
+    """The commit the code came from: ``$MOELORA_CODE_VERSION`` if set, else ``git rev-parse``
+    (``-dirty`` with uncommitted changes), else ``unknown``."""
+    if os.environ.get("MOELORA_CODE_VERSION"):
+        return os.environ["MOELORA_CODE_VERSION"]
+    root = Path(__file__).resolve().parent.parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=root, capture_output=True,
+                             text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "moelora_lab"],
+                               cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return sha + ("-dirty" if dirty else "")
+
+
+def stamp() -> dict:
+    """The three version columns every data row carries."""
+    return dict(schema=DATA_SCHEMA, config=config_fingerprint(), code=code_version())
+
+
+def _convert(v: str):
+    for cast in (int, float):
+        try:
+            return cast(v)
+        except ValueError:
+            pass
+    return v
+
+
+def read_csv(path) -> list[dict]:
+    """Rows of a benchmark CSV with numbers converted back to int/float (no version check)."""
+    with open(path, newline="") as f:
+        return [{k: _convert(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def write_csv(rows: list[dict], path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+def check_current(rows: list[dict], source) -> list[dict]:
+    """``rows`` unchanged if every one carries the current schema and config; else StaleDataError."""
+    if not rows:
+        raise StaleDataError(f"{source}: no rows; regenerate the data with `{REGENERATE}`")
+    want = (DATA_SCHEMA, config_fingerprint())
+    found = sorted({(r.get("schema", "none"), r.get("config", "none")) for r in rows}, key=str)
+    if found != [want]:
+        got = ", ".join(f"schema {s} / config {c}" for s, c in found)
+        raise StaleDataError(
+            f"{source} was produced by other code ({got}) than this checkout expects (schema {want[0]} / "
+            f"config {want[1]}): its numbers describe kernels or tile rules that no longer exist. "
+            f"Regenerate the data on a CUDA GPU with `{REGENERATE}`, or check out the commit it names "
+            f"(code {sorted({str(r.get('code', '?')) for r in rows})})")
+    return rows
+
+
+def load(name: str, data_dir=DATA_DIR) -> list[dict]:
+    """The committed rows of ``<data_dir>/<name>.csv``, checked to fit the current code."""
+    path = Path(data_dir) / f"{name}.csv"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing; regenerate the data on a CUDA GPU with `{REGENERATE}`")
+    return check_current(read_csv(path), path.name)
+
+
+def load_traces(name: str = "layer_traces", data_dir=DATA_DIR) -> dict:
+    """The committed layer timelines (case name -> meta, records, metrics), checked to fit the code."""
+    path = Path(data_dir) / f"{name}.json"
+    traces = json.loads(path.read_text())
+    for case, t in traces.items():
+        if "records" not in t or "meta" not in t:
+            raise ValueError(f"{path}: case {case!r} lacks 'meta' or 'records'")
+    check_current([t["meta"] for t in traces.values()], path.name)
+    return traces
+
+
+def label(row: dict) -> str:
+    """One line of provenance for a figure or a table: GPU, software, date and code version."""
+    missing = [k for k in ("gpu", "torch", "triton", "date") if k not in row]
+    if missing:
+        raise KeyError(f"row: provenance field(s) {', '.join(missing)} missing; expected a row of a committed "
+                       "CSV or the 'meta' of a committed trace")
+    return (f"{row['gpu']}, torch {row['torch']}, triton {row['triton']}, {row['date']}, "
+            f"code {row.get('code', '?')}")

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Regenerate every committed GPU data file with the current code, on a CUDA machine, from the
+# repository root:
+#   bash scripts/gpu_data.sh                 # every step, written to moelora_lab/data/h200
+#   OUT=/tmp/run bash scripts/gpu_data.sh kernels layer   # some steps, elsewhere
+# Steps: registers align kernels layout eager layer priority gemm tune tests (default: all).
+# Each row records its provenance and the code's stamp (schema, tile-rule fingerprint, commit; see
+# moelora_lab/results.py); the notebooks refuse files whose stamp does not match the code.
+# Without a git checkout, set MOELORA_CODE_VERSION to the commit the tree came from.
+set -uo pipefail
+OUT=${OUT:-moelora_lab/data/h200}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; fi
+PY=${PYTHON:-python3}
+if [ -z "${MOELORA_CODE_VERSION:-}" ]; then
+  MOELORA_CODE_VERSION=$(git rev-parse --short=10 HEAD 2>/dev/null || echo unknown)
+  git diff --quiet HEAD -- moelora_lab 2>/dev/null || MOELORA_CODE_VERSION="$MOELORA_CODE_VERSION-dirty"
+fi
+export MOELORA_CODE_VERSION
+bench() { echo "== $(date +%T) bench $*"; $PY -m moelora_lab.bench "$@" --out "$OUT" 2>&1 | grep -v "it/s\]\|s/it\]" | tail -n 4; }
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+$PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+echo "code $MOELORA_CODE_VERSION"
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(registers align kernels layout eager layer priority gemm tune tests)
+for step in "${steps[@]}"; do
+  case "$step" in
+    registers) bench registers ;;
+    align)     bench align ;;
+    kernels)   bench kernels --time-alignment ;;
+    layout)    bench layout ;;
+    eager)     bench eager ;;
+    layer)     bench layer --max-seconds 240 ;;
+    priority)  bench layer --ranks 16 64 --tokens 1 16 64 128 512 2048 --variants no_lora sequential dual_stream \
+                 --trace-tokens 0 --side-priority default --name layer_priority ;;
+    gemm)      bench gemm --max-seconds 180 ;;
+    tune)      bench tune --max-seconds 200 ;;
+    tests)
+      echo "== $(date +%T) tests"
+      { echo "# $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1); code $MOELORA_CODE_VERSION; $(date -I)"
+        echo "# python -m pytest tests --gpu -q -p no:cacheprovider -n ${TEST_WORKERS:-8}"
+        $PY -m pytest tests --gpu -q -p no:cacheprovider -n "${TEST_WORKERS:-8}" 2>&1; } > "$OUT/gpu_tests.log"
+      tail -n 3 "$OUT/gpu_tests.log" ;;
+    *) echo "unknown step $step (steps: registers align kernels layout eager layer priority gemm tune tests)"; exit 2 ;;
+  esac
+done
+echo "== $(date +%T) done"

@@ -1,0 +1,59 @@
+"""The data stamp: committed files must fit the code's schema and tile rules, or be refused by name."""
+import pytest
+
+from moelora_lab import dispatch, results
+from moelora_lab.results import DATA_SCHEMA, StaleDataError, check_current, config_fingerprint, load, stamp
+
+
+def rows(**change):
+    return [dict(dict(M=1, us_median=2.5, gpu="GPU", torch="2", triton="3", date="d", **stamp()), **change)]
+
+
+def test_fingerprint_follows_every_rule(monkeypatch):
+    before = config_fingerprint()
+    assert len(before) == 12 and before == config_fingerprint()
+    monkeypatch.setattr(dispatch, "TWO_KERNEL_MAX_PAIRS", dispatch.TWO_KERNEL_MAX_PAIRS * 2)
+    assert config_fingerprint() != before                     # the auto rule moved
+    monkeypatch.undo()
+    monkeypatch.setattr(dispatch, "MAX_EXPAND_COLUMNS", 2048)
+    assert config_fingerprint() != before                     # a tile rule moved
+    monkeypatch.undo()
+    from moelora_lab import moe
+    monkeypatch.setattr(moe, "gpu_gemm_tiles", lambda per_expert, lora=False: dict(BLOCK_M=16))
+    assert config_fingerprint() != before                     # the base GEMM's tiles moved
+
+
+def test_check_current_refuses_stale_rows():
+    assert check_current(rows(), "f.csv")[0]["us_median"] == 2.5
+    with pytest.raises(StaleDataError, match=r"f.csv was produced by other code \(schema 1 / config"):
+        check_current(rows(schema=1), "f.csv")
+    with pytest.raises(StaleDataError, match="bash scripts/gpu_data.sh"):
+        check_current(rows(config="000000000000"), "f.csv")
+    with pytest.raises(StaleDataError, match="schema none"):          # a file from before the stamp
+        check_current([dict(M=1)], "old.csv")
+    with pytest.raises(StaleDataError, match="no rows"):
+        check_current([], "f.csv")
+
+
+def test_load_round_trip_and_missing(tmp_path):
+    results.write_csv(rows(), tmp_path / "x.csv")
+    got = load("x", tmp_path)
+    assert got[0]["M"] == 1 and got[0]["schema"] == DATA_SCHEMA and got[0]["config"] == config_fingerprint()
+    with pytest.raises(FileNotFoundError, match="y.csv is missing"):
+        load("y", tmp_path)
+
+
+def test_code_version(monkeypatch):
+    monkeypatch.setenv("MOELORA_CODE_VERSION", "abc123")
+    assert results.code_version() == "abc123" and stamp()["code"] == "abc123"
+    monkeypatch.delenv("MOELORA_CODE_VERSION")
+    assert results.code_version()                             # a commit here, 'unknown' without git
+
+
+def test_every_committed_file_is_current():
+    """Every CSV and the traces the notebooks read were produced by this code's schema and rules."""
+    for path in sorted(results.DATA_DIR.glob("*.csv")):
+        if path.stem == "vllm_reference":                     # measured with vLLM's code, not ours
+            continue
+        load(path.stem)
+    results.load_traces()
