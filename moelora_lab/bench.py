@@ -225,7 +225,7 @@ def parse_args(argv):
     y = sweep_parser(sub, "layer", "the MoE layer: no LoRA, sequential, dual stream, join variants; timelines",
                      name="layer", tokens=(1, 16, 64, 128, 512, 2048, 8192), ranks=(16, 64), max_seconds=True)
     y.add_argument("--variants", nargs="+", default=None, help="subset of bench_layer.VARIANTS")
-    y.add_argument("--trace-tokens", nargs="+", type=int, default=[16, 2048])
+    y.add_argument("--trace-tokens", nargs="+", type=int, default=[1, 16, 128, 512, 2048, 8192])
     y.add_argument("--trace-ranks", nargs="+", type=int, default=[16, 64])
     y.add_argument("--side-priority", choices=SIDE_PRIORITIES, default=SIDE_PRIORITIES[0])
     a = sweep_parser(sub, "align", "routing metadata: PyTorch ops vs device kernels", name="align",

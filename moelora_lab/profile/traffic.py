@@ -250,14 +250,18 @@ def layer_traffic(
 ) -> dict[str, Traffic]:
     """Traffic of one MoE layer with LoRA, stage by stage (H hidden, I intermediate).
 
+    The LoRA stages write their deltas d13, d2 for the P_a pairs with an adapter (``add_inputs``
+    False: the layer's folded join) and the activation and the top-k sum read them back:
+
     base_w13  read x M*H*b and touched_experts*2I*H*b, write c1 M*k*2I*b; FLOPs 2*M*k*2I*H.
-    lora_w13  lora_op_traffic(K=H, N=I, S=2, x_rows "token", add_inputs True).
-    act       h = silu(c1[:, :I]) * c1[:, I:]: read M*k*2I*b, write M*k*I*b; FLOPs 5*M*k*I
-              (silu as x/(1+exp(-x)): 4, the product: 1).
+    lora_w13  lora_op_traffic(K=H, N=I, S=2, x_rows "token", add_inputs False): writes d13.
+    act       h = silu(c1g + d13g) * (c1u + d13u): read c1 M*k*2I*b and d13 P_a*2I*b, write
+              M*k*I*b; FLOPs 5*M*k*I (silu as x/(1+exp(-x)): 4, the product: 1) + P_a*2I (adds).
     base_w2   read h M*k*I*b and touched_experts*H*I*b, write c3 M*k*H*b;
               FLOPs 2*M*k*H*I + M*k*H (routing weight).
-    lora_w2   lora_op_traffic(K=I, N=H, S=1, x_rows "pair", add_inputs True).
-    sum       y = sum over k: read M*k*H*b, write M*H*b; FLOPs M*(k-1)*H.
+    lora_w2   lora_op_traffic(K=I, N=H, S=1, x_rows "pair", add_inputs False): writes d2.
+    sum       y = sum over k of c3 + d2: read c3 M*k*H*b and d2 P_a*H*b, write M*H*b;
+              FLOPs M*(k-1)*H + P_a*H.
     total     sum of the stages above.
     floor     fully fused: x read once, every touched base weight (T_e*3*I*H*b) and touched
               LoRA weight (T*(W1_w13 + W1_w2)*b) read once, y written once; FLOPs of total, 1 launch.
@@ -286,9 +290,12 @@ def layer_traffic(
     if with_lora:
         stages["lora_w13"] = lora_op_traffic(
             lora_path, wl, in_features=h_dim, out_features=i_dim, num_slices=2, rank=r,
-            x_rows="token", dtype_bytes=b, add_inputs=True,
+            x_rows="token", dtype_bytes=b, add_inputs=False,
         )
-    stages["act"] = _traffic([("c1", m * k * 2 * i_dim * b)], [("h", m * k * i_dim * b)], 5 * m * k * i_dim, 1)
+    pa = wl.pairs_with_adapter if with_lora else 0
+    d13 = [("d13", pa * 2 * i_dim * b)] if with_lora else []
+    stages["act"] = _traffic([("c1", m * k * 2 * i_dim * b)] + d13, [("h", m * k * i_dim * b)],
+                             5 * m * k * i_dim + pa * 2 * i_dim, 1)
     stages["base_w2"] = _traffic(
         [("h", m * k * i_dim * b), ("w2", te * h_dim * i_dim * b)],
         [("c3", m * k * h_dim * b)],
@@ -297,9 +304,11 @@ def layer_traffic(
     if with_lora:
         stages["lora_w2"] = lora_op_traffic(
             lora_path, wl, in_features=i_dim, out_features=h_dim, num_slices=1, rank=r,
-            x_rows="pair", dtype_bytes=b, add_inputs=True,
+            x_rows="pair", dtype_bytes=b, add_inputs=False,
         )
-    stages["sum"] = _traffic([("c3", m * k * h_dim * b)], [("y", m * h_dim * b)], m * (k - 1) * h_dim, 1)
+    d2 = [("d2", pa * h_dim * b)] if with_lora else []
+    stages["sum"] = _traffic([("c3", m * k * h_dim * b)] + d2, [("y", m * h_dim * b)],
+                             m * (k - 1) * h_dim + pa * h_dim, 1)
 
     total = sum(stages.values())
     lora_elems = (2 * r * h_dim + 2 * i_dim * r) + (r * i_dim + h_dim * r)
