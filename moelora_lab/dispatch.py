@@ -74,7 +74,7 @@ def num_sms(device: torch.device) -> int:
 
 
 # Derived from one H200 sweep (bf16, 4 adapters, qwen3-30b-a3b and deepseek-v2-lite shapes, w13 and
-# w2, M = 1 .. 8192, r = 16 .. 256; moelora_lab/data/h200/kernels.csv and tune.csv):
+# w2, M = 1 .. 8192, r = 16 .. 256: the path sweep `bench kernels` and its tile grid `bench kernels --tune`):
 # * one-shot is fastest, or within ~10%, for r < 64 at every M, for every r at M = 1, and for every
 #   r once M*k > 4096 (there the two-kernel path pays for T and for re-reading B per N tile);
 # * for r >= 64 with a few to a few thousand pairs, the two-kernel path wins by up to 1.8x: its
@@ -84,14 +84,14 @@ def num_sms(device: torch.device) -> int:
 #   tensor-core tiles still beat CUDA-core reductions), so ``auto`` never picks it;
 # * the fused kernel needs enough programs: with few blocks, split N into chunks until there are
 #   ~4 programs per SM (each chunk recomputes its shrink, cheap next to the expand at small M).
-# Refined by a greedy tile walk (``python -m moelora_lab.bench tune``, data/h200/lora_tune.csv):
+# Refined by a greedy tile walk (``python -m moelora_lab.bench tune``; the current walk is data/h200/lora_tune.csv):
 # * one-shot with a 16-wide rank tile (r <= 16) runs best on 2 warps (4 warps split a 16 x 16 dot
 #   four ways and mostly wait): 5-20% faster at M = 1 .. 2048, rank 16;
 # * a one-shot program of 16 pairs should expand at most ``MAX_EXPAND_COLUMNS`` columns: walking 16
 #   B tiles one after another cost w2 (N = 2048) 20% at M = 512, where recomputing the short shrink
 #   in a second chunk is cheap;
 # * 32-pair blocks stream K in 128-wide steps at rank 16 (64 was 20% slower on w2 at M = 2048).
-# A second walk started from this rule (lora_tune_r16.csv) found at most 1.13x around it.
+# A second walk at r 16 started from this rule found at most 1.13x around it.
 TWO_KERNEL_MIN_RANK = 64
 TWO_KERNEL_MIN_PAIRS = 32
 TWO_KERNEL_MAX_PAIRS = 4096

@@ -80,13 +80,20 @@ def resolve_schedule(schedule: str, device: torch.device, *, num_pairs: int = 0,
         return "fused"
     gpu = device.type == "cuda" and not INTERPRET
     if schedule == "auto":
-        few = num_pairs <= DUAL_STREAM_MAX_PAIRS_PER_EXPERT * num_experts
-        return "dual_stream" if gpu and few else "sequential"
+        return gpu_schedule(num_pairs, num_experts) if gpu else "sequential"
     if schedule == "dual_stream" and not gpu:
         warnings.warn("schedule='dual_stream' needs CUDA streams; on the CPU the layer runs sequentially "
                       "(same kernels, same results)", RuntimeWarning, stacklevel=3)
         return "sequential"
     return schedule
+
+
+def gpu_schedule(num_pairs: int, num_experts: int) -> str:
+    """What ``schedule="auto"`` runs on a GPU (without LoRA inside the GEMMs): two streams while the
+    experts get at most ``DUAL_STREAM_MAX_PAIRS_PER_EXPERT`` pairs each, one beyond (usable on the
+    CPU, to read the data)."""
+    few = num_pairs <= DUAL_STREAM_MAX_PAIRS_PER_EXPERT * num_experts
+    return "dual_stream" if few else "sequential"
 
 
 def plan_layer(topk_ids, token_lora, num_experts: int, num_loras: int | None, rank: int | None, *,

@@ -59,10 +59,11 @@ def test_fused_layer_matches_reference(device, rank, M, kw):
 
 
 def test_auto_schedule_and_fused_limits(device):
-    from moelora_lab.layer import DUAL_STREAM_MAX_PAIRS_PER_EXPERT, resolve_schedule
+    from moelora_lab.layer import DUAL_STREAM_MAX_PAIRS_PER_EXPERT, gpu_schedule, resolve_schedule
     E = SHAPE.num_experts
     dev = torch.device(device)
     few = DUAL_STREAM_MAX_PAIRS_PER_EXPERT * E
+    assert (gpu_schedule(few, E), gpu_schedule(few + 1, E)) == ("dual_stream", "sequential")   # on any machine
     for pairs in (1, few):
         assert resolve_schedule("auto", dev, num_pairs=pairs, num_experts=E) == ("dual_stream" if device == "cuda"
                                                                                  else "sequential")

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from moelora_lab import results
 import triton
 
 from moelora_lab.bench import read_csv
@@ -102,7 +104,8 @@ def test_timing_fields():
 
 def test_provenance_keys_and_values():
     p = provenance("python -m moelora_lab.bench kernels")
-    assert list(p) == ["gpu", "torch", "triton", "python", "date", "command"]
+    assert list(p) == ["gpu", "torch", "triton", "python", "date", "command", "schema", "config", "code"]
+    assert (p["schema"], p["config"]) == (results.DATA_SCHEMA, results.config_fingerprint())
     assert p["torch"] == torch.__version__ and p["triton"] == triton.__version__
     assert p["python"] == ".".join(map(str, sys.version_info[:3]))
     assert datetime.date.fromisoformat(p["date"]) == datetime.date.today()

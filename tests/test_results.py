@@ -1,4 +1,6 @@
 """The data stamp: committed files must fit the code's schema and tile rules, or be refused by name."""
+from pathlib import Path
+
 import pytest
 
 from moelora_lab import dispatch, results
@@ -57,3 +59,14 @@ def test_every_committed_file_is_current():
             continue
         load(path.stem)
     results.load_traces()
+
+
+def test_data_readme_lists_every_file():
+    text = (results.DATA_DIR / "README.md").read_text()
+    listed = {name for name in __import__("re").findall(r"`([\w.*-]+\.(?:csv|json|log|png))`", text)}
+    for path in results.DATA_DIR.iterdir():
+        if path.name == "README.md":
+            continue
+        assert path.name in listed or any(
+            "*" in n and path.name.startswith(n.split("*")[0]) and path.suffix == Path(n).suffix for n in listed), \
+            f"{path.name} is committed but data/h200/README.md does not say what it is"

@@ -1,0 +1,157 @@
+"""What the notebooks use to stay honest: claims checked against the data, real code shown with its
+line numbers, and one switch between the committed H200 data and live measurements.
+
+* :func:`claim` prints a sentence whose numbers come from the data and fails the cell (so
+  ``make test``) the moment the data stops supporting it.
+* :func:`show_code` prints a function or kernel from its module, whole or as excerpts, with the
+  file's own line numbers and every elision marked.
+* :func:`data` returns the rows of a committed data file (checked against the code's stamp, see
+  :mod:`moelora_lab.results`) or, with ``live=True`` on a CUDA GPU, measures them now with the
+  benchmark that produced the file; :func:`source` says which of the two a figure shows.
+"""
+from __future__ import annotations
+
+import inspect
+import tempfile
+from pathlib import Path
+
+from . import results
+
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+
+
+class ClaimError(AssertionError):
+    """A sentence of a notebook that its data no longer supports."""
+
+
+def claim(text: str, holds: bool = True, **values) -> str:
+    """Print ``text`` with ``values`` filled in (``str.format`` fields) and return it; raise
+    :class:`ClaimError` naming the sentence and the values if ``holds`` is false.
+
+    ``claim("two streams hide {hidden:.0%} of the LoRA time", hidden=h, holds=h > 0.5)``
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"text: expected the sentence as a str, got {type(text).__name__}")
+    sentence = text.format(**values)
+    if not holds:
+        shown = ", ".join(f"{k}={v!r}" for k, v in values.items())
+        raise ClaimError(f"this sentence no longer holds for the data: {sentence!r} ({shown}); "
+                         "the data or the code changed: rewrite the sentence or find out why")
+    print(sentence)
+    return sentence
+
+
+def _unwrap(obj):
+    """The Python function under @triton.jit / @triton.heuristics / @triton.autotune wrappers."""
+    while not inspect.isfunction(obj) and hasattr(obj, "fn"):
+        obj = obj.fn
+    if not (inspect.isfunction(obj) or inspect.isclass(obj) or inspect.ismodule(obj)):
+        raise TypeError(f"obj: expected a function, kernel, class or module, got {type(obj).__name__}")
+    return obj
+
+
+def _find(lines: list[str], text: str, start: int, what: str, name: str) -> int:
+    for i in range(start, len(lines)):
+        if text in lines[i]:
+            return i
+    raise ValueError(f"{what}: {text!r} is not in {name} (from its line {start + 1} on); the code changed: "
+                     "update the excerpt")
+
+
+def show_code(obj, *excerpts: tuple[str, str]) -> str:
+    """Print the source of ``obj`` with its file's line numbers: whole, or only the excerpts, each
+    a (first line containing, last line containing) pair of substrings, in order; the lines left
+    out are marked ``⋮`` with their count. Returns the printed text."""
+    fn = _unwrap(obj)
+    lines, first = inspect.getsourcelines(fn)
+    if first == 0:                                   # a module: its lines count from 1
+        first = 1
+    lines = [line.rstrip("\n") for line in lines]
+    path = Path(inspect.getsourcefile(fn)).resolve()
+    try:
+        path = path.relative_to(PACKAGE_ROOT)
+    except ValueError:
+        pass
+    name = f"{getattr(fn, '__name__', 'module')} ({path})"
+    spans, at = [], 0
+    for pair in excerpts or [(None, None)]:
+        if pair == (None, None):
+            spans.append((0, len(lines) - 1))
+            break
+        if not (isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(p, str) for p in pair)):
+            raise TypeError(f"excerpts: expected (start, end) pairs of substrings, got {pair!r}")
+        lo = _find(lines, pair[0], at, "excerpt start", name)
+        hi = _find(lines, pair[1], lo, "excerpt end", name)
+        spans.append((lo, hi))
+        at = hi + 1
+    out, width = [f"{path}, {name.split(' ')[0]}:"], len(str(first + len(lines)))
+    prev = -1
+    for lo, hi in spans:
+        if lo > prev + 1:
+            out.append(f"{'⋮':>{width}}   ({lo - prev - 1} lines not shown)")
+        out += [f"{first + i:>{width}}  {lines[i]}" for i in range(lo, hi + 1)]
+        prev = hi
+    if prev < len(lines) - 1:
+        out.append(f"{'⋮':>{width}}   ({len(lines) - 1 - prev} lines not shown)")
+    text = "\n".join(out)
+    print(text)
+    return text
+
+
+def gpu_available() -> bool:
+    """A CUDA GPU that runs the compiled kernels (not the interpreter)."""
+    import torch
+
+    from ._backend import INTERPRET
+    return torch.cuda.is_available() and not INTERPRET
+
+
+def live_mode(requested: bool) -> bool:
+    """The notebook's switch: live measurements only when asked for and a GPU can make them.
+    Prints what the notebook's figures will show."""
+    if requested and not gpu_available():
+        print("LIVE = True, but there is no CUDA GPU here: showing the committed H200 data instead")
+        return False
+    if requested:
+        import torch
+        print(f"LIVE: every measured figure below is measured now on {torch.cuda.get_device_name()} "
+              "(this takes a few minutes)")
+        return True
+    print("Showing the committed H200 data (set LIVE = True on a CUDA GPU to measure every figure now)")
+    return False
+
+
+def data(name: str, *, live: bool = False, bench: tuple[str, ...] | list[str] = ()) -> list[dict]:
+    """Rows of the data file ``name``: committed (checked against the code) or, with ``live``,
+    measured now by ``python -m moelora_lab.bench <bench...>`` into a temporary folder."""
+    if not live:
+        return results.load(name)
+    if not bench:
+        raise ValueError(f"bench: live data for {name!r} needs the benchmark's arguments, e.g. ['kernels', ...]")
+    from . import bench as bench_cli
+    with tempfile.TemporaryDirectory() as tmp:
+        code = bench_cli.main([*bench, "--out", tmp, "--name", name])
+        if code:
+            raise RuntimeError(f"python -m moelora_lab.bench {' '.join(bench)} failed (exit {code})")
+        if Path(tmp, f"{name}_traces.json").exists():
+            _LIVE_TRACES[name] = results.load_traces(f"{name}_traces", tmp)
+        return results.load(name, tmp)
+
+
+_LIVE_TRACES: dict[str, dict] = {}
+
+
+def traces(name: str = "layer", *, live: bool = False) -> dict:
+    """The layer timelines saved with ``data(name)``: the committed ones, or those the last live
+    ``data(name, live=True)`` call recorded."""
+    if not live:
+        return results.load_traces(f"{name}_traces")
+    if name not in _LIVE_TRACES:
+        raise ValueError(f"no live traces for {name!r}: call data({name!r}, live=True, bench=['layer', ...]) first")
+    return _LIVE_TRACES[name]
+
+
+def source(rows: list[dict], *, live: bool = False) -> str:
+    """Which data a figure shows: 'measured now on ...' or 'committed data: ...'."""
+    row = rows[0] if isinstance(rows, list) else rows
+    return ("measured now: " if live else "committed data: ") + results.label(row)

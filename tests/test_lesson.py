@@ -1,0 +1,60 @@
+"""The notebooks' honesty helpers: checked claims, code shown with its real line numbers, live vs committed data."""
+import inspect
+
+import pytest
+
+from moelora_lab import lesson, results
+from moelora_lab.kernels.one_shot import one_shot_kernel
+from moelora_lab.lesson import ClaimError, claim, show_code
+
+
+def test_claim_prints_and_fails_when_false(capsys):
+    assert claim("saves {x:.0%} at M = {m}", x=0.25, m=16, holds=True) == "saves 25% at M = 16"
+    assert capsys.readouterr().out == "saves 25% at M = 16\n"
+    with pytest.raises(ClaimError, match=r"no longer holds for the data: 'saves 5% at M = 16' \(x=0.05, m=16\)"):
+        claim("saves {x:.0%} at M = {m}", x=0.05, m=16, holds=0.05 > 0.2)
+    assert capsys.readouterr().out == ""                      # nothing printed for a false sentence
+    with pytest.raises(TypeError, match="text: expected the sentence as a str"):
+        claim(3)
+
+
+def test_show_code_whole_kernel_with_file_line_numbers(capsys):
+    text = show_code(one_shot_kernel)
+    fn = one_shot_kernel
+    while hasattr(fn, "fn"):
+        fn = fn.fn
+    lines, first = inspect.getsourcelines(fn)
+    shown = text.splitlines()
+    assert shown[0] == "moelora_lab/kernels/one_shot.py, one_shot_kernel:"
+    assert len(shown) == len(lines) + 1 and "⋮" not in text
+    assert shown[1].split()[0] == str(first) and shown[-1].split()[0] == str(first + len(lines) - 1)
+    assert shown[5].split("  ", 1)[1] == lines[4].rstrip("\n")   # the line itself, unfiltered
+
+
+def test_show_code_excerpts_mark_every_elision():
+    text = show_code(one_shot_kernel, ("for rt in range", "tl.zeros"), ("tl.store", "tl.store"))
+    shown = text.splitlines()
+    assert "for rt in range" in shown[2] and "tl.zeros" in shown[-3] or "tl.zeros" in text
+    elided = [line for line in shown if "⋮" in line]
+    assert len(elided) >= 2 and all("lines not shown" in line for line in elided)
+    numbers = [int(line.split()[0]) for line in shown[1:] if "⋮" not in line]
+    assert numbers == sorted(numbers)                         # in file order, never reordered
+    with pytest.raises(ValueError, match="'no such line' is not in one_shot_kernel"):
+        show_code(one_shot_kernel, ("no such line", "tl.store"))
+    with pytest.raises(TypeError, match="excerpts: expected"):
+        show_code(one_shot_kernel, "tl.store")
+
+
+def test_data_committed_and_live_switch(capsys, monkeypatch):
+    monkeypatch.setattr(lesson, "gpu_available", lambda: False)
+    assert lesson.live_mode(True) is False
+    assert "no CUDA GPU here" in capsys.readouterr().out
+    assert lesson.live_mode(False) is False
+    assert "committed H200 data" in capsys.readouterr().out
+    rows = lesson.data("registers")
+    assert rows == results.load("registers")
+    assert lesson.source(rows).startswith("committed data: " + rows[0]["gpu"])
+    with pytest.raises(ValueError, match="needs the benchmark's arguments"):
+        lesson.data("registers", live=True)
+    with pytest.raises(ValueError, match="no live traces"):
+        lesson.traces("nothing", live=True)
