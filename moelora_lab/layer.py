@@ -54,9 +54,9 @@ from .validate import (ANY_SLOT, check_choice, check_int, check_layer_inputs, ch
                        check_values, routing_ranges)
 
 SCHEDULES = ("sequential", "dual_stream", "fused", "auto")
-# ``auto`` overlaps the LoRA stream up to this many pairs per expert (H200, qwen3-30b-a3b, r 16, two
-# streams over one: -23% at M = 1, -1..-6% at M = 16..512 (32 pairs per expert), +6% at M = 2048;
-# r 64: -25%, -3..-8%, +3%)
+# ``auto`` overlaps the LoRA stream up to this many pairs per expert (M <= 512 on qwen3-30b-a3b): on
+# the H200 two streams win clearly there, most at M = 1; past it both streams' kernels are long and
+# bandwidth-bound and the two schedules come within run-to-run noise (notebook 04 prints the data)
 DUAL_STREAM_MAX_PAIRS_PER_EXPERT = 32
 JOINS = ("fold", "vllm")
 def fused_fits(num_loras: int, rank: int) -> bool:

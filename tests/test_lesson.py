@@ -58,3 +58,20 @@ def test_data_committed_and_live_switch(capsys, monkeypatch):
         lesson.data("registers", live=True)
     with pytest.raises(ValueError, match="no live traces"):
         lesson.traces("nothing", live=True)
+
+
+def test_show_code_sees_through_decorators():
+    from moelora_lab.streams import Streams
+    text = show_code(Streams.side)                           # a @contextlib.contextmanager method
+    assert text.splitlines()[0] == "moelora_lab/streams.py, side:"
+
+
+def test_live_claims_report_instead_of_failing(capsys, monkeypatch):
+    monkeypatch.setattr(lesson, "gpu_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.get_device_name", lambda *a: "Some GPU")
+    assert lesson.live_mode(True) is True
+    assert claim("x is {x}", x=1, holds=False) == "x is 1"
+    assert "[does not hold here; it holds for the committed H200 data] x is 1" in capsys.readouterr().out
+    lesson.live_mode(False)                                  # back to committed data: claims fail again
+    with pytest.raises(ClaimError):
+        claim("x is {x}", x=1, holds=False)

@@ -1,4 +1,4 @@
-"""The two-stream functions of plots.layer: stage bytes, trace phases, overlap table, join cost."""
+"""The two-stream functions of plots.layer: stage bytes, trace phases, overlap table, variant table."""
 import matplotlib
 
 matplotlib.use("Agg")
@@ -7,10 +7,9 @@ from matplotlib.figure import Figure  # noqa: E402
 import pytest  # noqa: E402
 
 from moelora_lab import MoEShape  # noqa: E402
-from moelora_lab.plots.layer import (data_label, draw_join_savings, draw_timelines, join_savings,  # noqa: E402
-                                     join_traffic, overlap_table, stage_pair_bytes, trace_name, trace_phases,
-                                     variant_table)
-from moelora_lab.profile.traffic import Traffic, Workload, layer_traffic  # noqa: E402
+from moelora_lab.plots.layer import (data_label, draw_timelines, overlap_table, stage_pair_bytes, trace_name,  # noqa: E402
+                                     trace_phases, variant_table)
+from moelora_lab.profile.traffic import Workload, layer_traffic  # noqa: E402
 from test_timeline import REC  # noqa: E402
 
 SHAPE = MoEShape(64, 32, 8, 2, "t")
@@ -69,6 +68,7 @@ def test_overlap_table_pairs_schedules():
     r = rows[0]
     assert (r["preset"], r["M"], r["rank"], r["floor_us"]) == ("p", 16, 8, 20.0)
     assert (r["seq_us"], r["dual_us"], r["lora_seq_us"], r["lora_dual_us"]) == (25.0, 27.0, 8.0, 14.0)
+    assert r["alone_us"] == 25.0                # the one-stream stages added up, not the stretched two-stream bars
     assert r["overlap"] == pytest.approx(8 / 14, abs=1e-4)
     assert r["hidden"] == pytest.approx((25 - 27) / 8)
 
@@ -76,12 +76,23 @@ def test_overlap_table_pairs_schedules():
 def test_draw_timelines_share_axis_and_floor():
     fig = Figure()
     axes = fig.subplots(2, 1)
-    draw_timelines(axes, [("one", SEQ), ("two", REC)], floor_us=30.0)
-    assert axes[0].get_xlim() == axes[1].get_xlim() == (0.0, pytest.approx(31.2))
-    assert "overlap 0% of LoRA time" in axes[0].get_title() and "overlap 57%" in axes[1].get_title()
-    assert any("byte floor" in t.get_text() for t in axes[1].texts)
+    metrics = draw_timelines(axes, [("one", SEQ, 1), ("two", REC, 2)], floor_us=30.0, alone_us=25.0)
+    assert axes[0].get_xlim() == axes[1].get_xlim() == (0.0, pytest.approx(30.9))
+    assert [m["critical_path_us"] for m in metrics] == [25.0, 27.0]
+    assert [t.get_text() for t in axes[0].get_yticklabels()] == ["one stream"]          # no side-stream lane
+    assert axes[0].get_title(loc="left") == "one\ncritical path 25 µs"
+    assert "LoRA beside the base work for 57%" in axes[1].get_title(loc="left")
+    assert axes[1].get_title(loc="left").endswith("alone, back to back: 25 µs")       # alone_us, not 35 µs
+    for ax in axes:                                                     # the floor is named in the legend
+        assert "byte floor of the fused layer, 30 µs" in [t.get_text() for t in ax.get_legend().get_texts()]
+        assert ax.get_legend().get_bbox_to_anchor().x0 > ax.get_window_extent().x1 - 1     # outside the data
+    axes = Figure().subplots(2, 1)
+    draw_timelines(axes, [("one", SEQ), ("two", REC)])                  # two-field cases: two lanes
+    assert len(axes[0].get_yticklabels()) == 2 and axes[0].get_xlim()[1] == pytest.approx(1.03 * 27)
     with pytest.raises(ValueError, match="one Axes per case"):
         draw_timelines(axes, [("one", SEQ)])
+    with pytest.raises(TypeError, match="cases: expected"):
+        draw_timelines(axes[:1], [SEQ])
 
 
 def rows():
@@ -96,56 +107,6 @@ def rows():
     return out
 
 
-def test_variant_table_and_join_savings():
+def test_variant_table():
     t = variant_table(rows(), preset="p", rank=16, variants=("sequential", "sequential_vllm_join"))
     assert [r["M"] for r in t] == [1, 16, 256]          # M=512: the vLLM-join row was not timed
-    s = join_savings(rows(), preset="p", rank=16)
-    assert [(r["M"], r["saved_us"]) for r in s] == [(1, 1.0), (16, 0.0), (256, 30.0)]
-    assert s[2]["saved"] == pytest.approx(30 / 130)
-    assert [r["saved_us"] for r in join_savings(rows(), preset="p", rank=16, schedule="dual_stream")] == [
-        0.0, -1.0, 29.0]
-    with pytest.raises(ValueError, match="schedule: 'auto'"):
-        join_savings(rows(), preset="p", rank=16, schedule="auto")
-
-
-def test_join_traffic_by_hand():
-    # M=4, k=2: P=8 pairs; 2I=64, H=64, b=2; 3 tokens with an adapter: P_a=6
-    fold = join_traffic(SHAPE, 4, "fold", tokens_with_adapter=3)
-    assert isinstance(fold, Traffic) and fold.bytes == 6 * 64 * 2 + 6 * 64 * 2 and fold.launches == 0
-    vllm = join_traffic(SHAPE, 4, "vllm", tokens_with_adapter=3)
-    assert vllm.bytes == 4 * 8 * 64 * 2 + 4 * 8 * 64 * 2 and vllm.launches == 4
-    assert vllm.part("zero_d13") == 8 * 64 * 2 and vllm.part("add_reads_c3_d2") == 2 * 8 * 64 * 2
-    # every token with an adapter: vLLM's join moves 3 delta-sized buffers more than ours
-    d = 8 * (64 + 64) * 2
-    assert join_traffic(SHAPE, 4, "vllm").bytes - join_traffic(SHAPE, 4, "fold").bytes == 3 * d
-    with pytest.raises(ValueError, match="join: 'add'"):
-        join_traffic(SHAPE, 4, "add")
-    with pytest.raises(ValueError, match="tokens_with_adapter"):
-        join_traffic(SHAPE, 4, "fold", tokens_with_adapter=5)
-
-
-def test_draw_join_savings():
-    ax = Figure().add_subplot()
-    draw_join_savings(ax, rows(), preset="p", ranks=[16], predicted=[(1, 0.5), (256, 25.0)])
-    lines = {line.get_label(): line for line in ax.get_lines()}
-    seq = lines["measured, r=16, one stream"]
-    assert list(seq.get_xdata()) == [1, 256] and list(seq.get_ydata()) == [1.0, 30.0]   # 0 saved: left out
-    assert "predicted: extra bytes / copy rate" in lines
-    assert ax.get_yscale() == "log" and "µs" in ax.get_ylabel()
-
-
-def test_draw_base_and_plan():
-    from moelora_lab.plots.layer import draw_base_and_plan
-
-    data = [dict(preset="p", M=M, rank=16, variant=v, us_median=t, us_p20=t, us_p80=t)
-            for M in (1, 16) for v, t in (("no_lora", 10.0 * M), ("grouped_mm", 5.0 * M), ("plan", 100.0))]
-    ax = Figure().add_subplot()
-    draw_base_and_plan(ax, data, preset="p", rank=16)
-    labels = [line.get_label() for line in ax.get_lines()]
-    assert labels == ["whole layer, no LoRA", "torch._grouped_mm (w13 + w2, rows pre-grouped)",
-                      "routing plan (plan_layer, device kernels)"]                       # base_gemms absent: no line
-    assert list(ax.get_lines()[2].get_ydata()) == [100.0, 100.0] and ax.get_xscale() == "log"
-    ax = Figure().add_subplot()
-    draw_base_and_plan(ax, data, preset="p", rank=16, torch_plan=[(16, 20.0), (1, 10.0)])
-    device = ax.get_lines()[-1]
-    assert device.get_label() == "routing plan as PyTorch ops (2 block lists)" and list(device.get_xdata()) == [1, 16]

@@ -10,9 +10,11 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from moelora_lab.bench import read_csv
+from moelora_lab.dispatch import choose_path
 from moelora_lab.plots.registers import (
     REGISTER_CAP,
     accumulator_registers,
+    auto_path,
     draw_occupancy_vs_rank,
     draw_register_tile,
     draw_registers_vs_rank,
@@ -40,13 +42,15 @@ REG_ROWS = [reg_row(64, 128, 200, blocks=2), reg_row(64, 512, 200, blocks=2),
 
 
 def time_row(path, rank, us, ran=None, M=32):
-    return dict(preset="p", op="w13", path=path, ran=ran or path, M=M, rank=rank, us_median=us,
+    return dict(preset=QWEN, op="w13", path=path, ran=ran or path, M=M, rank=rank, loras=4, us_median=us,
                 us_p20=us - 1, us_p80=us + 1, gpu="GPU X")
 
 
+QWEN = "qwen3-30b-a3b"     # top-k 8, 128 experts: M = 32 tokens are 256 pairs
+# the stored auto rows claim the opposite of the rule: the rings must not read them
 TIME_ROWS = [time_row("one_shot", 16, 10.0), time_row("one_shot", 128, 50.0),
              time_row("two_kernel", 16, 12.0), time_row("two_kernel", 128, 30.0),
-             time_row("auto", 16, 10.5, "one_shot"), time_row("auto", 128, 30.5, "two_kernel"),
+             time_row("auto", 16, 12.5, "two_kernel"), time_row("auto", 128, 50.5, "one_shot"),
              time_row("one_shot", 16, 99.0, M=8)]
 
 
@@ -137,24 +141,62 @@ def test_draw_occupancy_vs_rank_lines_and_percent_axis():
     assert len(sec) == 1 and "% of 64 warp slots" in sec[0].get_ylabel()
 
 
-def test_draw_time_vs_rank_lines_band_and_auto_rings():
+def test_auto_path_is_the_current_rule():
+    for M, rank in ((1, 16), (1, 128), (4, 64), (32, 16), (32, 128), (512, 64), (8192, 256)):
+        assert auto_path(QWEN, "w13", M, rank, 4) == choose_path(M * 8, 128, 4, rank)
+    assert auto_path(QWEN, "w13", 32, 128, 4) == "two_kernel"
+    assert auto_path(QWEN, "w2", 8192, 256, 4) == "one_shot"          # 65536 pairs: past the two-kernel range
+    assert auto_path("deepseek-v2-lite", "w13", 32, 64, 4) == choose_path(32 * 6, 64, 4, 64)
+
+
+@pytest.mark.parametrize("args, err, msg", [
+    ((QWEN, "w3", 32, 16, 4), ValueError, "op: 'w3' is not one of"),
+    (("p", "w13", 32, 16, 4), ValueError, "preset 'p' is unknown"),
+    ((QWEN, "w13", 0, 16, 4), ValueError, "M: must be >= 1"),
+    ((QWEN, "w13", 32, 16, 0), ValueError, "num_loras: must be >= 1"),
+])
+def test_auto_path_rejects(args, err, msg):
+    with pytest.raises(err, match=msg):
+        auto_path(*args)
+
+
+def test_register_plots_legend_outside_or_left_to_the_caller():
+    for draw in (draw_registers_vs_rank, draw_occupancy_vs_rank):
+        ax = axes()
+        draw(ax, REG_ROWS, block_m=64)
+        legend = ax.get_legend()
+        assert legend is not None and legend.get_bbox_to_anchor().x0 > ax.bbox.x1      # right of the axes
+        assert all(t.get_fontsize() >= 9 for t in legend.get_texts())
+        ax = axes()
+        draw(ax, REG_ROWS, block_m=64, legend=False)
+        assert ax.get_legend() is None
+
+
+def test_draw_time_vs_rank_lines_band_and_rule_rings():
     ax = axes()
-    draw_time_vs_rank(ax, TIME_ROWS, preset="p", op="w13", M=32)
+    draw_time_vs_rank(ax, TIME_ROWS, preset=QWEN, op="w13", M=32)
     ys = {ln.get_label(): list(ln.get_ydata()) for ln in ax.lines}
     assert ys["one-shot (T in registers)"] == [10.0, 50.0]
     assert ys["two-kernel (T in HBM)"] == [12.0, 30.0]
     rings = [c for c in ax.collections if c.get_label().startswith('path="auto"')]
-    assert len(rings) == 1 and rings[0].get_offsets().tolist() == [[16, 10.5], [128, 30.5]]
+    # the rule: r 16 -> one_shot (10.0), r 128 with 256 pairs -> two_kernel (30.0); not the stored auto rows
+    assert len(rings) == 1 and rings[0].get_offsets().tolist() == [[16, 10.0], [128, 30.0]]
     assert len(ax.collections) == 3                     # two p20-p80 bands and the rings
-    assert "GPU X" in ax.get_title() and "µs" in ax.get_ylabel()
+    assert ax.get_legend() is not None and "µs" in ax.get_ylabel() and "M = 32" in ax.get_title()
+
+
+def test_draw_time_vs_rank_without_rings_or_legend():
+    ax = axes()
+    draw_time_vs_rank(ax, TIME_ROWS, preset=QWEN, op="w13", M=32, show_auto=False, legend=False)
+    assert len(ax.collections) == 2 and ax.get_legend() is None
 
 
 @pytest.mark.parametrize("kw, err, msg", [
-    (dict(preset="q", op="w13", M=32), ValueError, "preset: 'q' is not in the rows; available: p"),
-    (dict(preset="p", op="w3", M=32), ValueError, "op: 'w3' is not one of 'w13', 'w2'"),
-    (dict(preset="p", op="w13", M=64), ValueError, "M: 64 is not in the rows; available: 8, 32"),
-    (dict(preset="p", op="w13", M=8), ValueError, "paths: no rows for path 'two_kernel'"),
-    (dict(preset="p", op="w13", M=32.0), TypeError, "M: expected an int"),
+    (dict(preset="q", op="w13", M=32), ValueError, "preset: 'q' is not in the rows; available: qwen3-30b-a3b"),
+    (dict(preset=QWEN, op="w3", M=32), ValueError, "op: 'w3' is not one of 'w13', 'w2'"),
+    (dict(preset=QWEN, op="w13", M=64), ValueError, "M: 64 is not in the rows; available: 8, 32"),
+    (dict(preset=QWEN, op="w13", M=8), ValueError, "paths: no rows for path 'two_kernel'"),
+    (dict(preset=QWEN, op="w13", M=32.0), TypeError, "M: expected an int"),
 ])
 def test_draw_time_vs_rank_rejects(kw, err, msg):
     with pytest.raises(err, match=msg):
@@ -165,38 +207,101 @@ def _texts(ax):
     return " | ".join(t.get_text() for t in ax.texts)
 
 
-def test_draw_register_tile_warps_arithmetic_and_cap():
+def _gauge(ax):
+    (g,) = ax.child_axes
+    return g, {round(p.get_y() + p.get_height() / 2): p for p in g.patches if not p.get_hatch()}
+
+
+def _hatched(ax):
+    return [p for p in ax.patches if p.get_hatch()]
+
+
+def test_draw_register_tile_warps_arithmetic_and_numbered_gauge():
     ax = axes()
     draw_register_tile(ax, 64, 128)
-    warps = [p for p in ax.patches if isinstance(p, Rectangle) and p.get_fill() and p.get_height() == 0.34 / 4]
+    warps = [p for p in ax.patches if p.get_fill() and p.get_height() == pytest.approx(0.3 / 4)]
     assert len(warps) == 4                                              # 4 slabs of 16 rows
-    assert "64×128 fp32 = 8,192 values / 128 threads = 64 registers per thread" in _texts(ax)
-    assert "cap: 255 per thread" in _texts(ax)
-    assert not any(p.get_hatch() for p in ax.patches)                  # 64 registers: nothing over the cap
+    assert "T tile: 64×128 fp32 = 8,192 values / 128 threads = 64 registers per thread" in _texts(ax)
+    assert "1 rank tile of BLOCK_R = 128 columns" in _texts(ax)
+    assert not _hatched(ax)                                             # no padding, no later tiles
+    g, bars = _gauge(ax)
+    assert list(bars) == [1] and bars[1].get_width() == 64             # the T tile alone, at 64
+    ticks = [int(t) for t in g.get_xticks()]
+    assert REGISTER_CAP in ticks and 64 in ticks and 256 not in ticks  # numbered axis, the cap at its value
+    cap = next(t for t in g.get_xticklabels() if t.get_text() == "255")
+    assert cap.get_color() == "#d62728"
+    assert [t.get_text() for t in g.get_yticklabels()] == ["T tile alone"]
+    assert "registers per thread" in g.get_xlabel()
 
 
-def test_draw_register_tile_over_the_cap_and_measured():
+def test_draw_register_tile_draws_the_rank_tiles_of_the_toggle():
+    tiled, one = axes(), axes()
+    draw_register_tile(tiled, 64, 512, max_block_r=128)                 # 4 tiles of 128
+    draw_register_tile(one, 64, 512, max_block_r=512)                   # 1 tile of 512
+    later = [p for p in tiled.patches if p.get_linestyle() == "--"]
+    assert len(later) == 3 and all(p.get_width() == pytest.approx(0.8 * 128 / 512) for p in later)
+    assert "4 rank tiles of BLOCK_R = 128: tile 1 is in registers, tiles 2–4 reuse them in turn" in _texts(tiled)
+    assert "= 64 registers per thread" in _texts(tiled)
+    assert not [p for p in one.patches if p.get_linestyle() == "--"]
+    assert "= 256 registers per thread" in _texts(one)
+    assert _gauge(one)[1][1].get_width() == REGISTER_CAP                # blue up to the cap, hatched past it
+    assert [p.get_width() for p in _gauge(one)[0].patches if p.get_hatch()] == [1]
+
+
+def test_draw_register_tile_pads_past_the_rank():
     ax = axes()
-    draw_register_tile(ax, 64, 512, n_regs=255, n_spills=610)
-    text = _texts(ax)
-    assert "= 256 registers per thread" in text and "compiled kernel: 255 + 610 spilled" in text
-    assert sum(1 for p in ax.patches if p.get_hatch()) == 2           # T over the cap, measured spills
+    draw_register_tile(ax, 16, 192, max_block_r=128)                    # 2 tiles of 128: 64 padded columns
+    (pad,) = _hatched(ax)
+    assert pad.get_width() == pytest.approx(0.8 * 64 / 512)
+    assert "tile 2 reuses them after it; hatched: padding past r = 192" in _texts(ax)
+    ax = axes()
+    draw_register_tile(ax, 16, 192, max_block_r=512)                    # one tile padded to 256
+    (pad,) = _hatched(ax)
+    assert pad.get_width() == pytest.approx(0.8 * 64 / 512) and "fp32 = 4,096 values" in _texts(ax)
+
+
+def test_draw_register_tile_compiled_count_at_its_value():
+    ax = axes()
+    draw_register_tile(ax, 64, 256, max_block_r=512, n_regs=255, n_spills=116, measured_label="compiled (GPU X)")
+    g, bars = _gauge(ax)
+    assert bars[0].get_width() == 255 and bars[1].get_width() == 128
+    (spill,) = [p for p in g.patches if p.get_hatch()]
+    assert (spill.get_x(), spill.get_width()) == (255, 116)             # stacked on the 255 registers
+    assert [t.get_text() for t in g.get_yticklabels()] == ["T tile alone", "compiled (GPU X)"]
+    assert "255 + 116 spilled" in _texts(g) and g.get_xlim()[1] >= 255 + 116
+
+
+def test_draw_register_tile_shared_register_axis():
+    ax = axes()
+    draw_register_tile(ax, 64, 256, n_regs=252, registers_max=400)          # panels that compare: one axis
+    g, _ = _gauge(ax)
+    assert g.get_xlim()[1] == pytest.approx(400 * 1.04)
+    assert [int(t) for t in g.get_xticks()] == [0, 64, 128, 192, 255, 320, 384]
+
+
+def test_draw_registers_vs_rank_leaves_room_for_the_spill_labels():
+    ax = axes()
+    draw_registers_vs_rank(ax, REG_ROWS, block_m=64)
+    assert ax.get_ylim()[1] >= 1.1 * (255 + 100)
 
 
 def test_draw_register_tile_eight_warps_split_rows_and_columns():
     ax = axes()
-    draw_register_tile(ax, 16, 256, num_warps=8)                        # one 16-row slab: warps split columns
+    draw_register_tile(ax, 16, 256, num_warps=8, max_block_r=256)      # one 16-row slab: warps split columns
     assert "16×256 fp32 = 4,096 values / 256 threads = 16 registers per thread" in _texts(ax)
-    assert sum(1 for p in ax.patches if p.get_fill() and p.get_height() == pytest.approx(0.34 / 4)) == 8
+    assert sum(1 for p in ax.patches if p.get_fill() and p.get_height() == pytest.approx(0.3 / 4)) == 8
 
 
 @pytest.mark.parametrize("args, kw, err, msg", [
     ((None, 64, 128), {}, TypeError, "ax: expected a matplotlib Axes"),
     (("ax", 48, 128), {}, ValueError, "block_m: must be a power of two, got 48"),
     (("ax", 8, 128), {}, ValueError, "block_m: must be >= 16"),
-    (("ax", 64, 128, 6), {}, ValueError, "num_warps: must be a power of two"),
+    (("ax", 64, 0), {}, ValueError, "rank: must be >= 1"),
+    (("ax", 64, 128), dict(max_block_r=100), ValueError, "max_block_r: must be a power of two, got 100"),
+    (("ax", 64, 128), dict(num_warps=6), ValueError, "num_warps: must be a power of two"),
     (("ax", 64, 128), dict(n_regs=-1), ValueError, "n_regs: must be >= 0"),
     (("ax", 64, 128), dict(n_spills=None), TypeError, "n_spills: expected an int"),
+    (("ax", 64, 128), dict(registers_max=100), ValueError, "registers_max: must be >= 255"),
 ])
 def test_draw_register_tile_rejects(args, kw, err, msg):
     args = tuple(axes() if a == "ax" else a for a in args)

@@ -6,6 +6,7 @@ matplotlib.use("Agg")
 import pytest
 import torch
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 
 import moelora_lab as ml
 from moelora_lab.plots import (
@@ -245,20 +246,51 @@ def cost_table(with_extras=True):
                 rows=rows)
 
 
+def legend_labels(ax):
+    return [t.get_text() for t in ax.get_legend().get_texts()]
+
+
+def by_gid(ax, gid):
+    return [a for a in [*ax.get_lines(), *ax.texts] if a.get_gid() == gid]
+
+
 def test_draw_assignment_cost_lines_and_marks():
     ax = axes()
     draw_assignment_cost(ax, cost_table())
+    labels = legend_labels(ax)                                # the four series, nothing else
+    assert [lb.split(":")[0] for lb in labels] == ["floor", "naive", "sorted", "sorted"]
     lines = {line.get_label(): line for line in ax.get_lines()}
-    assert len(lines) == 6
     naive = next(v for k, v in lines.items() if k.startswith("naive"))
+    sorted_ = next(v for k, v in lines.items() if k.startswith("sorted: one program per block"))
     assert list(naive.get_ydata()) == [8, 16, 32, 64, 128]
-    vllm = next(v for k, v in lines.items() if k.startswith("vLLM"))
+    assert list(sorted_.get_ydata()) == [8, 15, 32, 50, 60]
+    # where they coincide both stay visible: different markers, the sorted one hollow and larger
+    assert naive.get_marker() != sorted_.get_marker() and sorted_.get_markerfacecolor() == "none"
+    assert sorted_.get_markersize() > naive.get_markersize()
+    (vllm,) = by_gid(ax, "vllm-threshold")
     assert vllm.get_xdata()[0] == 2                           # M*4*8 <= 16*4 up to M = 2
-    assert "(M ≤ 2)" in vllm.get_label()
-    cross = next(v for k, v in lines.items() if k.startswith("crossover"))
-    assert cross.get_xdata()[0] == 8 and "M = 8" in cross.get_label()
-    assert "made-up" in ax.get_title() and "E=16" in ax.get_title()
+    (note,) = by_gid(ax, "vllm-note")
+    assert "M ≤ 2" in note.get_text()
+    spans = [p for p in ax.patches if p.get_alpha() is not None and p.get_alpha() < 0.2]
+    assert len(spans) == 1                                    # shaded, annotated in place, not in the legend
+    assert not any(isinstance(h, Patch) and h.get_facecolor() == spans[0].get_facecolor()
+                   for h in ax.get_legend().legend_handles)
+    (ring,) = by_gid(ax, "crossover")
+    assert (ring.get_xdata()[0], ring.get_ydata()[0]) == (8, 50)
+    (cross,) = by_gid(ax, "crossover-note")
+    assert "M = 8" in cross.get_text() and "vLLM" not in cross.get_text()
+    assert "made-up" in ax.get_title() and "E = 16" in ax.get_title()
     assert ax.get_xscale() == "log" and ax.get_xlabel() == "tokens M"
+    assert ax.get_xlim()[0] < 1 and ax.get_xlim()[1] > 16     # cropped to the data, with a margin
+
+
+def test_draw_assignment_cost_notes_a_crossover_on_the_threshold():
+    costs = cost_table() | dict(num_experts=64)               # naive iff M*4*8 <= 64*4: up to M = 8
+    ax = axes()
+    draw_assignment_cost(ax, costs)
+    (cross,) = by_gid(ax, "crossover-note")
+    assert "M = 8" in cross.get_text() and "vLLM's last naive M" in cross.get_text()
+    assert by_gid(ax, "vllm-threshold")[0].get_xdata()[0] == 8
 
 
 def test_draw_assignment_cost_minimal_rows_and_no_crossover():
@@ -266,23 +298,57 @@ def test_draw_assignment_cost_minimal_rows_and_no_crossover():
     for row in costs["rows"]:
         row["sorted_loads"] = row["naive_loads"]
     ax = axes()
-    draw_assignment_cost(ax, costs)
-    labels = [line.get_label() for line in ax.get_lines()]
-    assert len(labels) == 3 and not any(lb.startswith("crossover") for lb in labels)
+    draw_assignment_cost(ax, costs, legend=False)
+    assert ax.get_legend() is None
+    labels = [line.get_label() for line in ax.get_lines() if not line.get_label().startswith("_")]
+    assert [lb.split(":")[0] for lb in labels] == ["naive", "sorted"]
+    assert not by_gid(ax, "crossover") and not by_gid(ax, "crossover-note")
 
 
-@pytest.mark.parametrize("num_loras, last", [(1, 0), (3, 1), (12, 6)])
+@pytest.mark.parametrize("num_loras, last", [(3, 1), (12, 6)])
 def test_draw_assignment_cost_vllm_line_follows_the_rule(num_loras, last):
     costs = cost_table() | dict(num_experts=8, top_k=2, num_loras=num_loras)   # naive iff M*2*8 <= 8*L
     ax = axes()
     draw_assignment_cost(ax, costs)
-    vllm = next(line for line in ax.get_lines() if line.get_label().startswith("vLLM"))
-    assert vllm.get_xdata()[0] == max(last, 0.5) and f"(M ≤ {last})" in vllm.get_label()
+    assert by_gid(ax, "vllm-threshold")[0].get_xdata()[0] == last
+    assert f"M ≤ {last}" in by_gid(ax, "vllm-note")[0].get_text()
+
+
+def test_draw_assignment_cost_rule_never_naive():
+    costs = cost_table() | dict(num_experts=8, top_k=2, num_loras=1)          # 1*2*8 > 8*1: never naive
+    ax = axes()
+    draw_assignment_cost(ax, costs)
+    assert not by_gid(ax, "vllm-threshold")
+    assert "sorted at every M shown" in by_gid(ax, "vllm-note")[0].get_text()
+
+
+def test_text_is_at_least_9_points():
+    fig = Figure(figsize=(9.5, 4))
+    a, b, c, d = fig.subplots(1, 4)
+    draw_topk_heatmap(a, TOPK_IDS, torch.tensor([[0.75, 0.25], [0.5, 0.5], [0.9, 0.1]]), E, token_lora=TOKEN_LORA)
+    draw_block_layout(b, hand_alignment(), NUM_PAIRS, num_tokens=3, top_k=2, annotate=True)
+    draw_padding_waste(c, padding_by_block_size(TOPK_IDS, TOKEN_LORA, E, L, [1, 2, 4]), label="hand")
+    draw_assignment_cost(d, cost_table())
+    for ax in (a, b, c, d):
+        texts = [*ax.texts, *ax.get_legend().get_texts()] if ax.get_legend() else list(ax.texts)
+        assert texts and min(t.get_fontsize() for t in texts) >= 9
+
+
+def test_draw_block_layout_drops_slot_labels_that_do_not_fit():
+    wide = Figure(figsize=(9.5, 2.6)).add_subplot()
+    draw_block_layout(wide, hand_alignment(), NUM_PAIRS, num_tokens=3, top_k=2)
+    assert "0\n(0,0)" in {t.get_text() for t in wide.texts}
+    narrow = Figure(figsize=(4.2, 2.6)).add_subplot()       # 7 slots in about an inch: no room for (t, j)
+    draw_block_layout(narrow, hand_alignment(), NUM_PAIRS, num_tokens=3, top_k=2)
+    labels = {t.get_text() for t in narrow.texts}
+    assert not any("(" in lb for lb in labels)
 
 
 def test_draw_assignment_cost_rejects():
     with pytest.raises(TypeError, match="costs: expected the dict returned by assignment_costs"):
         draw_assignment_cost(axes(), [1, 2])
+    with pytest.raises(TypeError, match="legend: expected True or False"):
+        draw_assignment_cost(axes(), cost_table(), legend="below")
     costs = cost_table()
     del costs["top_k"]
     with pytest.raises(ValueError, match="costs: missing 'top_k'"):

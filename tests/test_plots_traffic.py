@@ -16,12 +16,12 @@ from moelora_lab.plots.traffic import (
     draw_bytes_breakdown,
     draw_intermediate_share,
     draw_measured_vs_predicted,
-    draw_speedup_vs_vllm,
+    draw_ratio_vs_predicted,
     measured_vs_predicted,
     op_dims,
+    ratio_points,
     sweep_workload,
     traffic_table,
-    vllm_comparison,
 )
 from moelora_lab.profile.traffic import Traffic, Workload, lora_op_traffic
 
@@ -214,39 +214,65 @@ def test_draw_measured_vs_predicted_lines():
     assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "8"]
 
 
-VLLM = [dict(preset="p", op="w13", rank=16, M=m, vllm_dispatch_us=d, vllm_best_us=b)
-        for m, d, b in ((1, 30.0, 20.0), (8, 15.0, 15.0), (64, 1.0, 1.0))]
+def test_ratio_points_one_per_case_with_both_paths():
+    rows = ROWS + [timed_row("two_kernel", 64, 5.0, bytes_=100), timed_row("one_shot", 8, 1.0, bytes_=1, preset="q")]
+    pts = ratio_points(rows, preset="p")
+    # (w13, 16, M) for M = 1 and 8 have both paths; M = 64 only two-kernel, the w2 row only one-shot
+    assert [(p["op"], p["rank"], p["M"]) for p in pts] == [("w13", 16, 1), ("w13", 16, 8)]
+    assert [p["predicted"] for p in pts] == pytest.approx([1.0, 1.0])          # equal bytes in ROWS
+    assert [p["measured"] for p in pts] == pytest.approx([12.0 / 10.0, 20.0 / 30.0])
+    assert pts[1]["two_kernel_us"] == 20.0 and pts[1]["one_shot_us"] == 30.0
+    with pytest.raises(ValueError, match="preset 'z'"):
+        ratio_points(rows, preset="z")
+    with pytest.raises(ValueError, match="us_median"):
+        ratio_points([dict(preset="p", op="w13", rank=16, path="one_shot", M=1, bytes=1)], preset="p")
 
 
-def test_vllm_comparison_uses_auto_rows_only():
-    ours = [dict(timed_row("auto", 1, 10.0, bytes_=1), ran="one_shot"), dict(timed_row("auto", 8, 20.0, bytes_=1),
-            ran="two_kernel"), timed_row("one_shot", 8, 1.0, bytes_=1), timed_row("one_shot", 64, 1.0, bytes_=1)]
-    table = vllm_comparison(ours, VLLM, preset="p")
-    assert [(r["M"], r["ran"]) for r in table] == [(1, "one_shot"), (8, "two_kernel")]   # M=64: no auto row
-    assert [r["speedup"] for r in table] == pytest.approx([3.0, 0.75])
-    assert [r["speedup_best"] for r in table] == pytest.approx([2.0, 0.75])
-    with pytest.raises(ValueError, match="preset 'q'"):
-        vllm_comparison(ours, VLLM, preset="q")
-    with pytest.raises(ValueError, match="vllm_dispatch_us"):
-        vllm_comparison(ours, [dict(preset="p", op="w13", rank=16, M=1)], preset="p")
+def test_ratio_points_on_the_committed_sweep_match_the_byte_model():
+    rows = [r for r in read_csv(DATA / "kernels.csv") if r["preset"] == "qwen3-30b-a3b"]
+    pts = ratio_points(rows, preset="qwen3-30b-a3b")
+    assert len(pts) == len({(r["op"], r["rank"], r["M"]) for r in rows})        # every case timed both paths
+    for p in pts:
+        # the two-kernel path moves T on top of the one-shot bytes: a little more, never less
+        assert 1.0 < p["predicted"] < 1.2, p
+        (t,) = [r for r in traffic_table("qwen3-30b-a3b", p["rank"], p["op"], [p["M"]], routing="sweep")
+                if r["path"] == "two_kernel"]
+        assert p["two_kernel_bytes"] - p["one_shot_bytes"] == t["intermediate"]
 
 
-def test_draw_speedup_vs_vllm():
-    table = [dict(op=op, rank=r, M=m, speedup=s) for op, r in (("w2", 16), ("w13", 64), ("w13", 16))
-             for m, s in ((8, 2.0), (1, 3.0))]
+def test_draw_ratio_vs_predicted_encodes_m_rank_and_op():
+    pts = [dict(op=op, rank=r, M=m, predicted=1 + 0.001 * m, measured=0.8 + 0.1 * m + 0.01 * r)
+           for op in ("w13", "w2") for r in (16, 64) for m in (1, 8)]
     ax = axes()
-    draw_speedup_vs_vllm(ax, table)
-    labels = [line.get_label() for line in ax.get_lines()]
-    assert labels == ["w13, r = 16", "w13, r = 64", "w2, r = 16", "parity"]
-    assert list(ax.get_lines()[0].get_xdata()) == [1, 8] and list(ax.get_lines()[0].get_ydata()) == [3.0, 2.0]
-    assert ax.get_lines()[2].get_linestyle() == "--"
-    assert list(ax.get_lines()[3].get_ydata()) == [1.0, 1.0]
-    assert ax.get_ylim()[0] == 0 and "vLLM" in ax.get_ylabel()
+    draw_ratio_vs_predicted(ax, pts, highlight=("w2", 64, 8))
+    dots = [c for c in ax.collections if c.get_offsets().shape[0] == 1]
+    assert len(dots) == len(pts) + 1                                           # one marker per point + the ring
+    first = dots[0]
+    assert first.get_offsets()[0].tolist() == pytest.approx([1.001, 0.9 + 0.16])
+    assert first.get_facecolors().shape[0] == 1                                # w13: filled
+    w2 = dots[4]
+    assert w2.get_facecolors().shape[0] == 0 or w2.get_facecolors()[0][3] == 0  # w2: hollow
+    ring = dots[-1]
+    assert ring.get_offsets()[0].tolist() == pytest.approx([1.008, 0.8 + 0.8 + 0.64])
+    diag, = [line for line in ax.get_lines() if list(line.get_xdata()) == list(line.get_ydata())]
+    lo, hi = ax.get_xlim()
+    assert diag.get_xdata()[0] == pytest.approx(lo) and diag.get_xdata()[-1] == pytest.approx(hi)
+    assert lo < 1.001 and hi > 1.008 and hi < 1.01                             # cropped to the points
+    ylo, yhi = ax.get_ylim()
+    assert ylo < min(p["measured"] for p in pts) and yhi > max(p["measured"] for p in pts)
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert {"M = 1", "M = 8", "r = 16", "r = 64", "w13 (filled)", "w2 (hollow)"} <= set(legend)
+    assert all(t.get_fontsize() >= 9 for t in ax.get_legend().get_texts())
+    assert "bytes" in ax.get_xlabel() and "time" in ax.get_ylabel()
 
 
-def test_committed_vllm_comparison_matches_the_facts():
-    table = vllm_comparison(read_csv(DATA / "kernels_auto.csv"), read_csv(DATA / "vllm_reference.csv"))
-    assert len(table) == 28
-    assert sum(r["speedup"] > 1 for r in table) == 27
-    (lost,) = [r for r in table if r["speedup"] <= 1]
-    assert (lost["op"], lost["rank"], lost["M"]) == ("w2", 64, 2048)
+def test_draw_ratio_vs_predicted_rejects_bad_input():
+    pts = [dict(op="w13", rank=16, M=1, predicted=1.0, measured=1.2)]
+    with pytest.raises(ValueError, match="highlight"):
+        draw_ratio_vs_predicted(axes(), pts, highlight=("w2", 16, 1))
+    with pytest.raises(ValueError, match="measured"):
+        draw_ratio_vs_predicted(axes(), [dict(op="w13", rank=16, M=1, predicted=1.0)])
+    with pytest.raises(ValueError, match="ranks"):
+        draw_ratio_vs_predicted(axes(), [dict(pts[0], rank=r) for r in range(1, 9)])
+    with pytest.raises(TypeError, match="ax"):
+        draw_ratio_vs_predicted(Figure(), pts)

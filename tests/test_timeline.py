@@ -1,4 +1,5 @@
 import json
+import shlex
 
 import pytest
 
@@ -42,22 +43,41 @@ def test_traces_round_trip(tmp_path):
 
 
 def test_committed_h200_traces():
-    """The committed layer timelines: sequential never overlaps; two streams do; metrics recompute."""
+    """The committed layer timelines: every case of layer.csv inside the trace grid of the command that
+    took them, once per schedule that fits; sequential never overlaps; two streams do; metrics recompute."""
+    from moelora_lab.bench import parse_args
+    from moelora_lab.layer import fused_fits
+    from moelora_lab.plots.layer import trace_name
+    from moelora_lab.results import load
+
     traces = load_traces()
-    assert len(traces) == 10
-    assert sorted(t["meta"]["schedule"] for t in traces.values()).count("fused") == 2
+    commands = {t["meta"]["command"] for t in traces.values()}
+    rows = load("layer")
+    assert commands == {r["command"] for r in rows}, "the traces and layer.csv come from one run"
+    argv = shlex.split(commands.pop())
+    assert argv[:4] == ["python", "-m", "moelora_lab.bench", "layer"]
+    args = parse_args(argv[3:])
+    cases = {(r["preset"], r["M"], r["rank"], r["loras"]) for r in rows if r["variant"] == "sequential"
+             and r["M"] in args.trace_tokens and r["rank"] in args.trace_ranks}
+    expected = {trace_name(preset, M, rank, s) for preset, M, rank, L in cases
+                for s in ("sequential", "dual_stream") + (("fused",) if fused_fits(L, rank) else ())}
+    assert len(cases) >= 4 and set(traces) == expected
+    assert {t["meta"]["rank"] for t in traces.values() if t["meta"]["schedule"] == "fused"} == {
+        rank for _, _, rank, L in cases if fused_fits(L, rank)}
     for name, t in traces.items():
-        assert t["meta"]["gpu"] == "NVIDIA H200" and t["meta"]["triton"] and t["meta"]["torch"]
+        meta = t["meta"]
+        assert name == trace_name(meta["preset"], meta["M"], meta["rank"], meta["schedule"])
+        assert meta["gpu"] == "NVIDIA H200" and meta["triton"] and meta["torch"] and meta["floor_us"] > 0
         m = overlap_metrics(t["records"])
         assert m == t["metrics"]
-        if t["meta"]["schedule"] == "fused":        # the LoRA rides in the GEMMs: one lane, four stages
-            assert {r["stream"] for r in t["records"]} == {"main"} and t["meta"]["rank"] == 16
+        if meta["schedule"] == "fused":             # the LoRA rides in the GEMMs: one lane, four stages
+            assert {r["stream"] for r in t["records"]} == {"main"}
             assert [r["name"] for r in t["records"]] == ["w13+lora", "act", "w2+lora", "sum"]
             assert m["side_busy_us"] == 0 and m["critical_path_us"] >= 0.99 * m["serial_sum_us"]
             continue
         assert {r["stream"] for r in t["records"]} == {"main", "lora"}
-        assert {r["name"] for r in t["records"]} == {"base_w13", "lora_w13", "act", "base_w2", "lora_w2", "sum"}
-        if t["meta"]["schedule"] == "sequential":
+        assert [r["name"] for r in t["records"]] == ["base_w13", "lora_w13", "act", "base_w2", "lora_w2", "sum"]
+        if meta["schedule"] == "sequential":
             assert m["overlap"] == 0.0 and m["critical_path_us"] >= 0.99 * m["serial_sum_us"]
         else:
             assert m["overlap"] > 0.5 and m["critical_path_us"] < m["serial_sum_us"]

@@ -29,9 +29,12 @@ def _variant_lines(ax, rows, *, preset, rank, variants, styles):
 
 
 def draw_layer_times(ax, rows, *, preset, rank, variants=tuple(VARIANT_STYLE)):
-    """Layer time against M for each variant (log-log), with the p20-p80 band."""
+    """Layer time against M for each variant (log-log, spanning four decades of M), with the p20-p80
+    band. Differences of a few percent vanish on these axes: for what LoRA costs, draw
+    ``draw_lora_overhead`` (linear ratios)."""
     _variant_lines(ax, rows, preset=preset, rank=rank, variants=variants, styles=VARIANT_STYLE)
     log_axes(ax, "layer time (µs)", f"{preset}, rank {rank}")
+    ax.legend(fontsize=9)
 
 
 def lora_overhead(rows, *, preset, rank, variant="dual_stream"):
@@ -43,26 +46,49 @@ def lora_overhead(rows, *, preset, rank, variant="dual_stream"):
             if r["M"] in base]
 
 
-def draw_lora_overhead(ax, rows, *, preset, ranks, variants=("sequential", "dual_stream", "dual_stream_vllm_join")):
-    """LoRA layer time / no-LoRA layer time against M, one line per (rank, variant)."""
+def draw_lora_overhead(ax, rows, *, preset, ranks, variants=("sequential", "dual_stream", "auto"), band=True,
+                       legend=True):
+    """LoRA layer time / no-LoRA layer time against M (linear ratio, M on a log2 axis), one line per
+    (rank, variant) with, given ``band``, the variant's p20-p80 over the no-LoRA median shaded.
+    ``auto`` is drawn as open rings only, so it sits on the schedule it ran. ``legend`` puts the
+    legend outside the axes, on the right. Returns the number of lines drawn."""
+    styles = dict(VARIANT_STYLE, auto=dict(color="black", marker="o", markersize=9, markerfacecolor="none",
+                                           linestyle="none", label="LoRA, schedule='auto'"))
+    timed, drawn, ms = _timed(rows), 0, set()
     for rank in ranks:
+        base = {r["M"]: r["us_median"] for r in select(timed, preset=preset, rank=rank, variant="no_lora")}
         for v in variants:
-            pts = lora_overhead(rows, preset=preset, rank=rank, variant=v)
-            if pts:
-                style = dict(VARIANT_STYLE.get(v, {}))
-                style["label"] = f"r={rank}: {style.get('label', v)}"
-                style["alpha"] = 1.0 if rank == ranks[0] else 0.6
-                ax.plot(*zip(*pts), **style)
-    ax.axhline(1.15, color="gray", linestyle=":", label="1.15x of no LoRA")
+            sel = sorted((r for r in select(timed, preset=preset, rank=rank, variant=v) if r["M"] in base),
+                         key=lambda r: r["M"])
+            if not sel:
+                continue
+            style = dict(styles.get(v, dict(label=v)))
+            style["label"] = f"r={rank}: {style.get('label', v)}" if len(ranks) > 1 else style.get("label", v)
+            style["alpha"] = 1.0 if rank == ranks[0] else 0.6
+            xs = [r["M"] for r in sel]
+            ax.plot(xs, [r["us_median"] / base[r["M"]] for r in sel], **style)
+            if band and v != "auto" and all(r.get("us_p20") not in ("", None) for r in sel):
+                ax.fill_between(xs, [r["us_p20"] / base[r["M"]] for r in sel],
+                                [r["us_p80"] / base[r["M"]] for r in sel], color=style.get("color", "gray"),
+                                alpha=0.15, linewidth=0)
+            drawn, ms = drawn + 1, ms | set(xs)
+    ax.axhline(1.0, color="gray", linewidth=0.8)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("tokens M")
-    ax.set_ylabel("time / no-LoRA time")
-    ax.set_title(f"{preset}: cost of LoRA")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
+    if ms:
+        ax.set_xticks(sorted(ms), [str(m) for m in sorted(ms)])
+        ax.minorticks_off()
+    ax.set_xlabel("tokens M", fontsize=9)
+    ax.set_ylabel("LoRA layer time / no-LoRA layer time", fontsize=9)
+    ax.set_title(f"{preset}: cost of LoRA" + (f", rank {ranks[0]}" if len(ranks) == 1 else ""), fontsize=10)
+    ax.tick_params(labelsize=9)
+    ax.grid(True, alpha=0.3)
+    if legend and drawn:
+        ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, frameon=False)
+    return drawn
 
 
 def save_layer_plots(rows, out_dir, name="layer"):
+    """One PNG per preset: per rank, the layer times (log-log) above what LoRA costs (linear ratio)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -70,12 +96,12 @@ def save_layer_plots(rows, out_dir, name="layer"):
     written = []
     for preset in sorted({r["preset"] for r in rows}):
         ranks = sorted({r["rank"] for r in rows if r["preset"] == preset})
-        fig, axes = plt.subplots(1, len(ranks) + 1, figsize=(4.6 * (len(ranks) + 1), 3.8), squeeze=False)
+        fig, axes = plt.subplots(2, len(ranks), figsize=(4.8 * len(ranks) + 2.6, 7.6), squeeze=False,
+                                 layout="constrained")
         for j, rank in enumerate(ranks):
             draw_layer_times(axes[0][j], rows, preset=preset, rank=rank)
-        draw_lora_overhead(axes[0][-1], rows, preset=preset, ranks=ranks)
-        fig.suptitle(f"MoE layer with LoRA on {rows[0]['gpu']} (bf16, {rows[0]['loras']} adapters)")
-        fig.tight_layout()
+            draw_lora_overhead(axes[1][j], rows, preset=preset, ranks=[rank], legend=j == len(ranks) - 1)
+        fig.suptitle(f"MoE layer with LoRA (bf16, {rows[0]['loras']} adapters): {label(rows[0])}", fontsize=10)
         path = Path(out_dir) / f"{name}_{preset}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
@@ -138,9 +164,10 @@ def overlap_table(traces) -> list[dict]:
     """One row per (preset, M, rank) traced with both schedules, sorted by those keys.
 
     overlap: time both streams are busy / LoRA busy time (two streams); seq_us, dual_us: critical
-    paths; lora_seq_us: LoRA busy time alone; lora_dual_us: the same kernels beside the base GEMMs;
-    hidden: LoRA time taken off the critical path, (seq_us - dual_us) / lora_seq_us; floor_us: the
-    fully fused layer's bytes at the copy rate (from the trace's meta).
+    paths; alone_us: the stages' stand-alone times added up (one stream); lora_seq_us: LoRA busy
+    time alone; lora_dual_us: the same kernels beside the base GEMMs; hidden: LoRA time taken off
+    the critical path, (seq_us - dual_us) / lora_seq_us; floor_us: the fully fused layer's bytes at
+    the copy rate (from the trace's meta).
     """
     from ..profile.timeline import overlap_metrics
 
@@ -156,33 +183,41 @@ def overlap_table(traces) -> list[dict]:
         dual = overlap_metrics(both["dual_stream"]["records"])
         rows.append(dict(preset=preset, M=M, rank=rank, lora_path=both["dual_stream"]["meta"].get("lora_path", ""),
                          overlap=dual["overlap"], seq_us=seq["critical_path_us"], dual_us=dual["critical_path_us"],
+                         alone_us=seq["serial_sum_us"],
                          lora_seq_us=seq["side_busy_us"], lora_dual_us=dual["side_busy_us"],
                          hidden=(seq["critical_path_us"] - dual["critical_path_us"]) / seq["side_busy_us"],
                          floor_us=both["dual_stream"]["meta"].get("floor_us")))
     return rows
 
 
-def draw_timelines(axes, cases, *, floor_us: float | None = None) -> None:
-    """``draw_timeline`` for each (title, records) of ``cases`` on its Axes, one shared time axis,
-    overlap metrics in the titles and, given ``floor_us``, a dashed line where the byte floor ends."""
-    from ..profile.timeline import overlap_metrics
+def draw_timelines(axes, cases, *, floor_us: float | None = None, alone_us: float | None = None) -> list[dict]:
+    """``draw_timeline`` for each case on its Axes, one shared time axis; returns their overlap metrics.
+
+    A case is (title, records) or (title, records, streams): ``streams`` 1 draws one lane (a one-stream
+    run), 2 (the default) a lane per stream. ``alone_us``: the stand-alone stage times of the same
+    case added up (the one-stream trace's ``serial_sum_us``), quoted in the two-stream titles.
+    ``floor_us``: a dashed line where the fully fused layer's byte floor ends, named in the legend.
+    """
     from .timeline import draw_timeline
 
     axes, cases = list(axes), list(cases)
     if len(axes) != len(cases) or not cases:
         raise ValueError(f"axes, cases: expected one Axes per case and at least one case, got {len(axes)} and "
                          f"{len(cases)}")
-    end = max(r["end_us"] - min(q["start_us"] for q in recs) for _, recs in cases for r in recs)
-    right = 1.04 * max(end, floor_us or 0)
-    for ax, (title, recs) in zip(axes, cases):
-        draw_timeline(ax, recs, title=title, metrics=overlap_metrics(recs))
+    for case in cases:
+        if not (isinstance(case, (tuple, list)) and len(case) in (2, 3)):
+            raise TypeError(f"cases: expected (title, records) or (title, records, streams), got {case!r:.80}")
+    end = max(r["end_us"] - min(q["start_us"] for q in case[1]) for case in cases for r in case[1])
+    right = 1.03 * max(end, floor_us or 0)
+    metrics = []
+    for ax, (title, recs, *streams) in zip(axes, cases):
         if floor_us:
-            ax.axvline(floor_us, color="black", linestyle="--", linewidth=1)
-            left_of_line = floor_us > 0.15 * right           # the legend sits in the upper right corner
-            text = f"byte floor {floor_us:.0f} µs"
-            ax.text(floor_us, 1.75, f"{text} " if left_of_line else f" {text}", fontsize=7, va="center",
-                    ha="right" if left_of_line else "left")
+            ax.axvline(floor_us, color="black", linestyle="--", linewidth=1.2,
+                       label=f"byte floor of the fused layer, {floor_us:.0f} µs")
+        metrics.append(draw_timeline(ax, recs, title=title, streams=streams[0] if streams else 2,
+                                     alone_us=alone_us))
         ax.set_xlim(0, right)
+    return metrics
 
 
 def variant_table(rows, *, preset: str, rank: int, variants) -> list[dict]:
@@ -193,84 +228,3 @@ def variant_table(rows, *, preset: str, rank: int, variants) -> list[dict]:
         per_m.setdefault(r["M"], {})[r["variant"]] = r["us_median"]
     return [dict(M=M, **{v: t[v] for v in variants}) for M, t in sorted(per_m.items())
             if all(v in t for v in variants)]
-
-
-def join_traffic(shape, num_tokens: int, join: str, *, tokens_with_adapter: int | None = None,
-                 dtype_bytes: int = 2):
-    """HBM traffic of a join beyond the kernels both joins share (the LoRA kernels writing their delta
-    rows, the activation and the top-k sum doing their base work).
-
-    vllm   zero-fill both delta buffers (write P*2I*b and P*H*b), then ``c1 += d13`` and ``c3 += d2``
-           (read c, read d, write c: 3*P*2I*b and 3*P*H*b); 4 launches. Every pair row is touched.
-    fold   the activation reads d13 and the top-k sum reads d2 for the P_a pairs with an adapter
-           (P_a*2I*b + P_a*H*b); no launch of its own.
-    """
-    from ..validate import check_choice, check_int
-    from ..profile.traffic import Traffic
-
-    check_choice("join", join, ("fold", "vllm"))
-    m = check_int("num_tokens", num_tokens, low=0)
-    with_adapter = m if tokens_with_adapter is None else check_int("tokens_with_adapter", tokens_with_adapter,
-                                                                   low=0, high=m)
-    b = check_int("dtype_bytes", dtype_bytes, low=1)
-    k, i2, h = shape.top_k, 2 * shape.intermediate, shape.hidden
-    if join == "fold":
-        pa = with_adapter * k
-        reads = (("act_reads_d13", pa * i2 * b), ("sum_reads_d2", pa * h * b))
-        return Traffic(sum(n for _, n in reads), 0, 0, 0, reads)
-    p = m * k
-    reads = (("add_reads_c1_d13", 2 * p * i2 * b), ("add_reads_c3_d2", 2 * p * h * b))
-    writes = (("zero_d13", p * i2 * b), ("zero_d2", p * h * b), ("add_writes_c1", p * i2 * b),
-              ("add_writes_c3", p * h * b))
-    return Traffic(sum(n for _, n in reads), sum(n for _, n in writes), p * (i2 + h), 4, reads + writes)
-
-
-def join_savings(rows, *, preset: str, rank: int, schedule: str = "sequential") -> list[dict]:
-    """Per M: fold_us (our join), vllm_us (vLLM's), saved_us = vllm - fold, saved = saved_us / vllm_us."""
-    if schedule not in ("sequential", "dual_stream"):
-        raise ValueError(f"schedule: {schedule!r} is not one of 'sequential', 'dual_stream'")
-    out = []
-    for r in variant_table(rows, preset=preset, rank=rank, variants=(schedule, f"{schedule}_vllm_join")):
-        fold, vllm = r[schedule], r[f"{schedule}_vllm_join"]
-        out.append(dict(M=r["M"], fold_us=fold, vllm_us=vllm, saved_us=vllm - fold, saved=(vllm - fold) / vllm))
-    return out
-
-
-def draw_join_savings(ax, rows, *, preset: str, ranks, schedules=("sequential", "dual_stream"),
-                      predicted=None) -> None:
-    """Layer time our join saves against vLLM's (µs, log-log) per M, one line per (rank, schedule);
-    ``predicted``: [(M, µs)] drawn as a dashed line (e.g. join_traffic bytes / copy rate).
-    Savings <= 0 cannot be drawn on a log axis and are left out."""
-    colors = {"sequential": "#1f77b4", "dual_stream": "#2ca02c"}
-    markers = {r: m for r, m in zip(ranks, ("o", "s", "^", "D"))}
-    for rank in ranks:
-        for sched in schedules:
-            pts = [(s["M"], s["saved_us"]) for s in join_savings(rows, preset=preset, rank=rank, schedule=sched)
-                   if s["saved_us"] > 0]
-            if pts:
-                ax.plot(*zip(*pts), color=colors.get(sched), marker=markers[rank],
-                        alpha=1.0 if rank == ranks[0] else 0.6,
-                        label=f"measured, r={rank}, {'two streams' if sched == 'dual_stream' else 'one stream'}")
-    if predicted:
-        ax.plot(*zip(*predicted), color="black", linestyle="--", label="predicted: extra bytes / copy rate")
-    log_axes(ax, "vLLM join − folded join (µs per layer)", f"{preset}: what the folded join saves")
-
-
-BASE_STYLE = {
-    "no_lora": dict(color="black", marker="o", label="whole layer, no LoRA"),
-    "base_gemms": dict(color="#1f77b4", marker="s", label="our grouped GEMMs (w13 + w2)"),
-    "grouped_mm": dict(color="#ff7f0e", marker="^", label="torch._grouped_mm (w13 + w2, rows pre-grouped)"),
-    "plan": dict(color="#d62728", marker="x", linestyle="--", label="routing plan (plan_layer, device kernels)"),
-}
-
-
-def draw_base_and_plan(ax, rows, *, preset: str, rank: int, variants=tuple(BASE_STYLE),
-                       torch_plan=None) -> None:
-    """Time against M (log-log, p20-p80 band) of the no-LoRA layer, its two grouped GEMMs, the same
-    GEMMs through torch._grouped_mm, and the routing plan; ``torch_plan``: [(M, µs)] of the same plan
-    built from PyTorch ops, drawn as a dotted line."""
-    _variant_lines(ax, rows, preset=preset, rank=rank, variants=variants, styles=BASE_STYLE)
-    if torch_plan:
-        ax.plot(*zip(*sorted(torch_plan)), color=BASE_STYLE["plan"]["color"], marker="+", linestyle=":",
-                label="routing plan as PyTorch ops (2 block lists)")
-    log_axes(ax, "time per call (µs)", f"{preset}: the base GEMMs and the routing plan")

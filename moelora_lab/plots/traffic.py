@@ -3,22 +3,23 @@
 Shape legend: M tokens, E experts, k top-k, L adapters, r rank, K in, N out, S slices, T the rank
 intermediate [S, M*k, r] of the two-kernel path.
 
-``traffic_table`` evaluates the byte model (``profile.traffic``) per M and path; the ``draw_*``
+``traffic_table`` evaluates the byte model (``profile.traffic``) per M and path;
+``measured_vs_predicted`` and ``ratio_points`` set a kernels sweep's times next to it; the ``draw_*``
 functions draw on the Axes they are given and return None. Measured rows are dicts as read by
-``moelora_lab.results.load`` from the committed H200 CSVs.
+``moelora_lab.results.load`` from the committed H200 CSVs (or measured live, ``lesson.data``).
 """
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from matplotlib.axes import Axes
+import matplotlib as mpl
+from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
-from matplotlib.ticker import NullLocator
 
 from ..validate import check_choice, check_int, check_rows
 from ..config import MoEShape, make_routing
 from ..profile.traffic import LORA_PATHS, Traffic, Workload, count_workload, lora_op_traffic
-from .bench import PATH_STYLE, select
+from .bench import PATH_STYLE, check_ax, select, tokens_axis
 
 OPS = ("w13", "w2")
 ROUTINGS = ("dense", "sweep")
@@ -40,25 +41,6 @@ PARTS = (
 )
 GROUPS = {"x": ("x",), "weights": ("lora_a", "lora_b"), "intermediate": ("intermediate_zero",
           "intermediate_write", "intermediate_read"), "out": ("out_read", "out_write")}
-
-
-def _check_ax(ax) -> None:
-    if not isinstance(ax, Axes):
-        raise TypeError(f"ax: expected a matplotlib Axes (e.g. fig.add_subplot()), got {type(ax).__name__}")
-
-
-def _tokens_axis(ax) -> None:
-    """Log2 M axis ticked at the M values drawn (plain numbers), when there are few of them."""
-    ax.set_xscale("log", base=2)
-    ms = sorted({float(x) for line in ax.get_lines() for x in line.get_xdata() if x > 0})
-    if 0 < len(ms) <= 12:
-        ax.set_xticks(ms, [f"{m:g}" for m in ms])
-        ax.xaxis.set_minor_locator(NullLocator())
-    ax.set_xlabel("tokens M")
-
-
-def _check_rows(name: str, rows, keys: Sequence[str]) -> list:
-    return check_rows(name, rows, keys)
 
 
 def _shape(shape) -> MoEShape:
@@ -125,10 +107,12 @@ def _scale(unit: str, largest: float) -> tuple[str, float]:
     return unit, UNITS[unit]
 
 
-def draw_bytes_breakdown(ax, traffics: Mapping[str, Traffic], *, unit: str = "auto", title: str | None = None) -> None:
+def draw_bytes_breakdown(ax, traffics: Mapping[str, Traffic], *, unit: str = "auto", title: str | None = None,
+                         legend: bool = True) -> None:
     """One stacked bar per entry of ``traffics`` ({label: Traffic}), split into the byte parts;
-    the total and the rank intermediate's share are written above each bar."""
-    _check_ax(ax)
+    the total and the rank intermediate's share are written above each bar; the legend of the
+    parts sits outside the Axes, on the right (``legend=False``: none, e.g. for a left panel)."""
+    check_ax(ax)
     if not isinstance(traffics, Mapping) or not traffics:
         raise TypeError(f"traffics: expected a non-empty dict {{label: Traffic}}, got {type(traffics).__name__}")
     for label, t in traffics.items():
@@ -153,12 +137,13 @@ def draw_bytes_breakdown(ax, traffics: Mapping[str, Traffic], *, unit: str = "au
         share = sum(t.part(p) for p in GROUPS["intermediate"]) / t.bytes if t.bytes else 0.0
         note = f"{t.bytes / div:.3g} {unit}" + (f"\nT: {100 * share:.2g} %" if share else "")
         ax.annotate(note, (i, bottom[i]), xytext=(0, 3), textcoords="offset points", ha="center", va="bottom",
-                    fontsize=8)
+                    fontsize=9)
     ax.set_xticks(range(len(names)), [PATH_STYLE.get(n, {}).get("label", n).replace(" (", "\n(") for n in names],
-                  fontsize=8)
+                  fontsize=9)
     ax.set_ylabel(f"HBM bytes per call ({unit})")
     ax.set_ylim(0, max(bottom) * 1.2 or 1)
-    ax.legend(handles=list(handles.values())[::-1], fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    if legend:
+        ax.legend(handles=list(handles.values())[::-1], fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1))
     ax.grid(True, axis="y", alpha=0.3)
     if title:
         ax.set_title(title)
@@ -167,26 +152,26 @@ def draw_bytes_breakdown(ax, traffics: Mapping[str, Traffic], *, unit: str = "au
 def draw_intermediate_share(ax, rows, *, label: str | None = None, color=None, marker: str = "o") -> None:
     """Share of the rank intermediate T (zero-fill + write + read) in the two-kernel path's bytes against M
     (two-kernel rows of ``traffic_table``; call once per series)."""
-    _check_ax(ax)
-    rows = _check_rows("rows", rows, ("M", "path", "intermediate_share"))
+    check_ax(ax)
+    rows = check_rows("rows", rows, ("M", "path", "intermediate_share"))
     sel = sorted((r for r in rows if r["path"] == "two_kernel"), key=lambda r: r["M"])
     if not sel:
         raise ValueError("rows: no two_kernel rows; build them with traffic_table(..., paths=('two_kernel', ...))")
     ax.plot([r["M"] for r in sel], [100 * r["intermediate_share"] for r in sel], marker=marker, color=color,
             label=label)
-    _tokens_axis(ax)
+    tokens_axis(ax)
     ax.set_ylabel("T's share of the two-kernel bytes (%)")
     ax.set_ylim(0, 1.1 * max(max(line.get_ydata(), default=0) for line in ax.get_lines()) or 1)
     ax.grid(True, which="both", alpha=0.3)
     if label is not None:
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=9)
 
 
 def measured_vs_predicted(rows, *, preset: str, op: str, rank: int, paths=("two_kernel", "one_shot"),
                           bandwidth_tbps: float | None = None) -> list[dict]:
     """Per (M, path) of a sweep CSV: measured median µs and the byte model's prediction
     bytes / copy bandwidth (the row's copy_tbps unless ``bandwidth_tbps`` is given), and their ratio."""
-    rows = _check_rows("rows", rows, ("preset", "op", "rank", "path", "M", "us_median", "bytes", "copy_tbps"))
+    rows = check_rows("rows", rows, ("preset", "op", "rank", "path", "M", "us_median", "bytes", "copy_tbps"))
     if bandwidth_tbps is not None and not (isinstance(bandwidth_tbps, (int, float)) and bandwidth_tbps > 0):
         raise ValueError(f"bandwidth_tbps: expected a positive number of TB/s, got {bandwidth_tbps!r}")
     out = []
@@ -204,8 +189,9 @@ def measured_vs_predicted(rows, *, preset: str, op: str, rank: int, paths=("two_
 
 def draw_measured_vs_predicted(ax, rows, *, preset: str, op: str, rank: int, paths=("two_kernel", "one_shot"),
                                bandwidth_tbps: float | None = None) -> None:
-    """Measured median time (solid) and the byte-model prediction (dashed) against M, per path, log-log."""
-    _check_ax(ax)
+    """Measured median time (solid) and the byte-model prediction (dashed) against M, per path, log-log;
+    the legend sits outside the Axes, on the right."""
+    check_ax(ax)
     pts = measured_vs_predicted(rows, preset=preset, op=op, rank=rank, paths=paths, bandwidth_tbps=bandwidth_tbps)
     for path in paths:
         sel = [p for p in pts if p["path"] == path]
@@ -217,45 +203,78 @@ def draw_measured_vs_predicted(ax, rows, *, preset: str, op: str, rank: int, pat
                 label=f"{style['label']}: measured")
         ax.plot(ms, [p["predicted_us"] for p in sel], color=style["color"], linestyle="--", marker=".",
                 label=f"{style['label']}: bytes / copy bandwidth")
-    _tokens_axis(ax)
+    tokens_axis(ax)
     ax.set_yscale("log")
     ax.set_ylabel("time per call (µs)")
     ax.set_title(f"{preset} {op}, rank {rank}")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1))
 
 
-def vllm_comparison(ours, vllm_rows, *, preset: str = "qwen3-30b-a3b") -> list[dict]:
-    """Our ``auto`` rows next to vLLM's reference for every (op, rank, M) cell both have:
-    speedup = vLLM dispatch µs / our µs (> 1: we are faster), speedup_best against vLLM's fastest path."""
-    ours = _check_rows("ours", ours, ("preset", "op", "rank", "M", "path", "ran", "us_median"))
-    vllm_rows = _check_rows("vllm_rows", vllm_rows, ("preset", "op", "rank", "M", "vllm_dispatch_us", "vllm_best_us"))
-    table = []
-    for v in sorted(select(vllm_rows, preset=preset), key=lambda r: (r["op"] != "w13", r["rank"], r["M"])):
-        mine = select(ours, preset=preset, op=v["op"], rank=v["rank"], M=v["M"], path="auto")
-        if mine:
-            us = mine[0]["us_median"]
-            table.append(dict(op=v["op"], rank=v["rank"], M=v["M"], ran=mine[0]["ran"], ours_us=us,
-                              vllm_dispatch_us=v["vllm_dispatch_us"], vllm_best_us=v["vllm_best_us"],
-                              speedup=v["vllm_dispatch_us"] / us, speedup_best=v["vllm_best_us"] / us))
-    if not table:
-        raise ValueError(f"ours / vllm_rows: no common (op, rank, M) with path 'auto' for preset {preset!r}")
-    return table
+def ratio_points(rows, *, preset: str) -> list[dict]:
+    """One point per (op, rank, M) of a sweep CSV that timed both the two-kernel and the one-shot path:
+    ``predicted`` = two-kernel bytes / one-shot bytes (the byte model: time = bytes / bandwidth),
+    ``measured`` = two-kernel median µs / one-shot median µs; > 1: the fused kernel is faster."""
+    rows = check_rows("rows", rows, ("preset", "op", "rank", "path", "M", "us_median", "bytes"))
+    by = {path: {(r["op"], r["rank"], r["M"]): r for r in select(rows, preset=preset, path=path)}
+          for path in ("two_kernel", "one_shot")}
+    out = []
+    for key in sorted(by["two_kernel"].keys() & by["one_shot"].keys(), key=lambda k: (k[0] != "w13", k[1], k[2])):
+        two, one = by["two_kernel"][key], by["one_shot"][key]
+        out.append(dict(op=key[0], rank=key[1], M=key[2], predicted=two["bytes"] / one["bytes"],
+                        measured=two["us_median"] / one["us_median"], two_kernel_us=two["us_median"],
+                        one_shot_us=one["us_median"], two_kernel_bytes=two["bytes"], one_shot_bytes=one["bytes"]))
+    if not out:
+        raise ValueError(f"rows: no (op, rank, M) of preset {preset!r} has both a two_kernel and a one_shot row; "
+                         f"the rows hold presets {sorted({r['preset'] for r in rows})}")
+    return out
 
 
-def draw_speedup_vs_vllm(ax, table, *, key: str = "speedup") -> None:
-    """Speed-up over vLLM (a ``vllm_comparison`` table) against M, one line per (op, rank)."""
-    _check_ax(ax)
-    table = _check_rows("table", table, ("op", "rank", "M", key))
-    colors = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b")
-    series = sorted({(r["op"], r["rank"]) for r in table}, key=lambda s: (s[0] != "w13", s[1]))
-    for i, (op, rank) in enumerate(series):
-        sel = sorted((r for r in table if r["op"] == op and r["rank"] == rank), key=lambda r: r["M"])
-        ax.plot([r["M"] for r in sel], [r[key] for r in sel], marker="os^D"[i % 4], color=colors[i % len(colors)],
-                linestyle="-" if op == "w13" else "--", label=f"{op}, r = {rank}")
-    _tokens_axis(ax)
-    ax.axhline(1.0, color="black", linewidth=1, label="parity")
-    ax.set_ylabel("vLLM time / our time (×)" if key == "speedup" else f"{key} (×)")
-    ax.set_ylim(bottom=0)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+RANK_MARKERS = "osD^vP"
+
+
+def draw_ratio_vs_predicted(ax, points, *, highlight: tuple | None = None) -> None:
+    """Measured against predicted two-kernel / one-shot ratio (``ratio_points``), one marker per
+    (op, rank, M): colour = M, marker = rank, filled = w13, hollow = w2; the line y = x (time
+    follows bytes) and y = 1 (equal time). ``highlight`` = (op, rank, M) rings that point. Legends
+    sit outside the Axes, on the right."""
+    check_ax(ax)
+    points = check_rows("points", points, ("op", "rank", "M", "predicted", "measured"))
+    ms, ranks = sorted({p["M"] for p in points}), sorted({p["rank"] for p in points})
+    if len(ranks) > len(RANK_MARKERS):
+        raise ValueError(f"points: at most {len(RANK_MARKERS)} ranks can be told apart, got {ranks}")
+    cmap = mpl.colormaps["plasma"]
+    color = {m: cmap(0.85 * i / max(len(ms) - 1, 1)) for i, m in enumerate(ms)}
+    for p in points:
+        c = color[p["M"]]
+        ax.scatter(p["predicted"], p["measured"], s=46, marker=RANK_MARKERS[ranks.index(p["rank"])], linewidths=1.4,
+                   facecolors=c if p["op"] == "w13" else "none", edgecolors=c, zorder=3)
+    if highlight is not None:
+        hit = [p for p in points if (p["op"], p["rank"], p["M"]) == tuple(highlight)]
+        if not hit:
+            raise ValueError(f"highlight: no point {highlight!r}; points hold (op, rank, M) like "
+                             f"{(points[0]['op'], points[0]['rank'], points[0]['M'])!r}")
+        ax.scatter(hit[0]["predicted"], hit[0]["measured"], s=260, facecolors="none", edgecolors="#d62728",
+                   linewidths=2, zorder=4)
+    xs = [p["predicted"] for p in points]
+    ys = [p["measured"] for p in points]
+    lo_x, hi_x = min(xs), max(xs)
+    pad_x = 0.04 * max(hi_x - lo_x, 0.01)
+    ax.set_xlim(lo_x - pad_x, hi_x + pad_x)
+    lo, hi = min(ys + [lo_x]), max(ys + [hi_x])
+    ax.set_ylim(lo - 0.05 * (hi - lo), hi + 0.05 * (hi - lo))
+    ax.plot([lo_x - pad_x, hi_x + pad_x], [lo_x - pad_x, hi_x + pad_x], color="black", linewidth=1.2, zorder=2)
+    ax.axhline(1.0, color="gray", linewidth=1, linestyle=":", zorder=1)
+    ax.annotate("one-shot faster ↑\ntwo-kernel faster ↓", (1, 1), xycoords=("axes fraction", "data"),
+                xytext=(-4, 0), textcoords="offset points", ha="right", va="center", fontsize=9, color="dimgray")
+    ax.set_xlabel("predicted: two-kernel bytes / one-shot bytes (= 1 + T's three passes / one-shot bytes)")
+    ax.set_ylabel("measured: two-kernel time / one-shot time")
+    ax.grid(True, alpha=0.3)
+    handles = ([Line2D([], [], color="black", linewidth=1.2, label="y = x: time follows bytes"),
+                Line2D([], [], color="gray", linewidth=1, linestyle=":", label="equal time")]
+               + [Line2D([], [], linestyle="", marker="o", color=color[m], label=f"M = {m}") for m in ms]
+               + [Line2D([], [], linestyle="", marker=RANK_MARKERS[i], color="gray", label=f"r = {r}")
+                  for i, r in enumerate(ranks)]
+               + [Line2D([], [], linestyle="", marker="o", color="gray", label="w13 (filled)"),
+                  Line2D([], [], linestyle="", marker="o", markerfacecolor="none", color="gray", label="w2 (hollow)")])
+    ax.legend(handles=handles, fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
