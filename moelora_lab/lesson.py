@@ -69,6 +69,10 @@ def _find(lines: list[str], text: str, start: int, what: str, name: str) -> int:
                      "update the excerpt")
 
 
+def _elided(count: int, width: int) -> str:
+    return f"{'⋮':>{width}}   ({count} line{'s' if count != 1 else ''} not shown)"
+
+
 def show_code(obj, *excerpts: tuple[str, str]) -> str:
     """Print the source of ``obj`` with its file's line numbers: whole, or only the excerpts, each
     a (first line containing, last line containing) pair of substrings, in order; the lines left
@@ -99,11 +103,11 @@ def show_code(obj, *excerpts: tuple[str, str]) -> str:
     prev = -1
     for lo, hi in spans:
         if lo > prev + 1:
-            out.append(f"{'⋮':>{width}}   ({lo - prev - 1} lines not shown)")
+            out.append(_elided(lo - prev - 1, width))
         out += [f"{first + i:>{width}}  {lines[i]}" for i in range(lo, hi + 1)]
         prev = hi
     if prev < len(lines) - 1:
-        out.append(f"{'⋮':>{width}}   ({len(lines) - 1 - prev} lines not shown)")
+        out.append(_elided(len(lines) - 1 - prev, width))
     text = "\n".join(out)
     print(text)
     return text
