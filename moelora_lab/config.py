@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .validate import FLOAT_DTYPES, check_int
+from .validate import FLOAT_DTYPES, check_choice, check_int
+from .ops import pack_lora_b
 from .routing import route
 
 
@@ -272,3 +273,39 @@ def make_problem(
         w13_lora_a=tuple(w13_a), w13_lora_b=tuple(w13_b), w2_lora_a=tuple(w2_a), w2_lora_b=tuple(w2_b),
         w13=w13, w2=w2, adapter_ranks=ranks,
     )
+
+
+def random_lora_weights(shape: MoEShape, op: str, num_loras: int, rank: int, generator: torch.Generator,
+                        dtype: torch.dtype = torch.bfloat16, device=None) -> tuple[list, list]:
+    """One op's random LoRA weights, drawn where they live (fast for real presets on a GPU): ``op``
+    'w13' gives 2 slices of A [L, E, r, H] and B [L, E, I, r], 'w2' 1 slice of A [L, E, r, I] and
+    B [L, E, H, r]; A ~ N(0, 1/K), B ~ N(0, 1/r), B r-fastest. ``device`` defaults to the generator's."""
+    if not isinstance(shape, MoEShape):
+        raise TypeError(f"shape: expected a MoEShape (e.g. MoEShape.from_name('tiny')), got {type(shape).__name__}")
+    check_choice("op", op, ("w13", "w2"))
+    L, r = check_int("num_loras", num_loras, low=1), check_int("rank", rank, low=1)
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator: expected a torch.Generator, e.g. torch.Generator('cuda').manual_seed(0), "
+                        f"got {type(generator).__name__}")
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"dtype: {dtype} is not supported; use torch.float32, torch.float16 or torch.bfloat16")
+    device = generator.device if device is None else device
+    H, I, E = shape.hidden, shape.intermediate, shape.num_experts
+    k_in, n_out, slices = (H, I, 2) if op == "w13" else (I, H, 1)
+    a = [torch.randn(L, E, r, k_in, device=device, generator=generator, dtype=dtype) / k_in ** 0.5
+         for _ in range(slices)]
+    b = [torch.randn(L, E, n_out, r, device=device, generator=generator, dtype=dtype) / r ** 0.5
+         for _ in range(slices)]
+    return a, b
+
+
+def layer_lora_weights(shape: MoEShape, num_loras: int, rank: int, generator: torch.Generator,
+                       dtype: torch.dtype = torch.bfloat16, device=None) -> dict:
+    """Random LoRA weights of one layer as :func:`moelora_lab.moe_lora_layer` takes them: ``w13_lora_a``,
+    ``w13_lora_b``, ``w2_lora_a``, ``w2_lora_b`` (:func:`random_lora_weights`, w13 drawn first), B packed
+    N-fastest (:func:`moelora_lab.ops.pack_lora_b`), as the layer benchmark uses them."""
+    out = {}
+    for op in ("w13", "w2"):
+        a, b = random_lora_weights(shape, op, num_loras, rank, generator, dtype, device)
+        out[f"{op}_lora_a"], out[f"{op}_lora_b"] = a, pack_lora_b(b)
+    return out

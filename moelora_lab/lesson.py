@@ -11,7 +11,12 @@ line numbers, and one switch between the committed H200 data and live measuremen
 """
 from __future__ import annotations
 
+import collections
 import inspect
+import os
+import re
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -145,14 +150,37 @@ def data(name: str, *, live: bool = False, bench: tuple[str, ...] | list[str] = 
         return results.load(name)
     if not bench:
         raise ValueError(f"bench: live data for {name!r} needs the benchmark's arguments, e.g. ['kernels', ...]")
-    from . import bench as bench_cli
     with tempfile.TemporaryDirectory() as tmp:
-        code = bench_cli.main([*bench, "--out", tmp, "--name", name])
-        if code:
-            raise RuntimeError(f"python -m moelora_lab.bench {' '.join(bench)} failed (exit {code})")
+        _run_benchmark(bench, out=tmp, name=name)
         if Path(tmp, f"{name}_traces.json").exists():
             _LIVE_TRACES[name] = results.load_traces(f"{name}_traces", tmp)
         return results.load(name, tmp)
+
+
+def _run_benchmark(bench, *, out: str, name: str) -> None:
+    """``python -m moelora_lab.bench <bench...> --out <out> --name <name>`` as its own process (the
+    library never imports the benchmark), on this package's source. Its messages are printed as they
+    come, its progress bar redrawn in place; RuntimeError with the last messages if it fails."""
+    path = os.pathsep.join(p for p in (str(PACKAGE_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    cmd = [sys.executable, "-m", "moelora_lab.bench", *map(str, bench), "--out", out, "--name", name]
+    last, on_bar = collections.deque(maxlen=12), False
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=dict(os.environ, PYTHONPATH=path)) as proc:
+        for line in proc.stdout:        # universal newlines: each redraw of a progress bar is a line
+            line = line.rstrip("\n")
+            if _PROGRESS_BAR.search(line):
+                print("\r" + line, end="", file=sys.stderr, flush=True)
+                on_bar = True
+            elif line:
+                print(("\n" if on_bar else "") + line, file=sys.stderr, flush=True)
+                last.append(line)
+                on_bar = False
+    if proc.returncode:
+        raise RuntimeError(f"python -m moelora_lab.bench {' '.join(map(str, bench))} failed "
+                           f"(exit {proc.returncode}):\n" + "\n".join(last))
+
+
+_PROGRESS_BAR = re.compile(r"\|\s*\d+/\d+ \[[^\]]*\]$")      # tqdm: "name: 50%|###  | 4/8 [00:01<00:01, 3.2case/s]"
 
 
 _LIVE_TRACES: dict[str, dict] = {}

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import moelora_lab.profile.timing as timing
-from moelora_lab import bench
-from moelora_lab.results import DATA_SCHEMA, config_fingerprint
+from moelora_lab import lesson
+from moelora_lab.bench import cli, common, eager_sweep, gemm_sweep, tune_sweep
+from moelora_lab.results import DATA_SCHEMA, config_fingerprint, read_csv
 
 
 @pytest.fixture
@@ -21,7 +22,7 @@ def cpu_bench(monkeypatch):
         calls.append(fn)
         return timing.Timing(10.0, 9.0, 11.0)
 
-    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(common, "DEVICE", "cpu")
     monkeypatch.setattr(timing, "time_cuda", fake_time)
     monkeypatch.setattr(timing, "copy_bandwidth", lambda *a, **k: 4.0e12)
     monkeypatch.setattr(timing, "matmul_rate", lambda *a, **k: 7.0e14)
@@ -29,23 +30,23 @@ def cpu_bench(monkeypatch):
 
 
 def test_kernels_and_align_pipeline(cpu_bench, tmp_path):
-    assert bench.main(["kernels", "--presets", "tiny", "--tokens", "1", "6", "--ranks", "16", "--out",
+    assert cli.main(["kernels", "--presets", "tiny", "--tokens", "1", "6", "--ranks", "16", "--out",
                        str(tmp_path), "--time-alignment"]) == 0
-    rows = bench.read_csv(tmp_path / "kernels.csv")
+    rows = read_csv(tmp_path / "kernels.csv")
     assert {r["path"] for r in rows} == {"two_kernel", "one_shot", "small_batch", "auto", "align"}
     assert len(rows) == 2 * 2 * 5 and all(r["us_median"] == 10.0 for r in rows)
     one = [r for r in rows if r["path"] == "one_shot"][0]
     assert one["bytes"] > 0 and one["achieved_tbps"] > 0 and one["command"].startswith("python -m moelora_lab.bench")
     assert (tmp_path / "kernels_tiny.png").exists() and (tmp_path / "kernels_roofline.png").exists()
-    assert bench.main(["align", "--presets", "tiny", "--tokens", "3", "--out", str(tmp_path)]) == 0
-    assert {r["method"] for r in bench.read_csv(tmp_path / "align.csv")} == {"torch_ops", "triton_kernels"}
+    assert cli.main(["align", "--presets", "tiny", "--tokens", "3", "--out", str(tmp_path)]) == 0
+    assert {r["method"] for r in read_csv(tmp_path / "align.csv")} == {"torch_ops", "triton_kernels"}
 
 
 def test_layer_pipeline(cpu_bench, tmp_path):
     with pytest.warns(RuntimeWarning, match="on the CPU the layer runs sequentially"):   # the dual_stream rows
-        assert bench.main(["layer", "--presets", "tiny", "--tokens", "3", "--ranks", "8", "--dtype", "float32",
+        assert cli.main(["layer", "--presets", "tiny", "--tokens", "3", "--ranks", "8", "--dtype", "float32",
                            "--trace-tokens", "3", "--trace-ranks", "8", "--out", str(tmp_path)]) == 0
-    rows = bench.read_csv(tmp_path / "layer.csv")
+    rows = read_csv(tmp_path / "layer.csv")
     timed = {r["variant"] for r in rows if r["us_median"] != ""}
     assert {"no_lora", "sequential", "dual_stream", "fused", "auto", "sequential_vllm_join",
             "dual_stream_vllm_join", "base_gemms", "plan"} <= timed
@@ -59,11 +60,10 @@ def test_layer_pipeline(cpu_bench, tmp_path):
 
 
 def test_gemm_tile_grid_pipeline(cpu_bench, tmp_path, monkeypatch):
-    import moelora_lab.bench_gemm as bench_gemm
-    monkeypatch.setattr(bench_gemm, "TILE_GRID", ((64, 128, 2, 4),))
-    assert bench.main(["gemm", "--presets", "tiny", "--tokens", "2", "--dtype", "float32", "--lora-rank", "8",
+    monkeypatch.setattr(gemm_sweep, "TILE_GRID", ((64, 128, 2, 4),))
+    assert cli.main(["gemm", "--presets", "tiny", "--tokens", "2", "--dtype", "float32", "--lora-rank", "8",
                        "--out", str(tmp_path)]) == 0
-    rows = bench.read_csv(tmp_path / "gemm_tune.csv")
+    rows = read_csv(tmp_path / "gemm_tune.csv")
     # w13 and w2, without and with the in-GEMM LoRA, the default tiles and the one grid entry
     assert len(rows) == 2 * 2 * 2 and all(r["error"] == "" and r["us_median"] == 10.0 for r in rows)
     assert {(r["op"], r["lora_rank"], r["rule_at_run"]) for r in rows} == {
@@ -71,23 +71,22 @@ def test_gemm_tile_grid_pipeline(cpu_bench, tmp_path, monkeypatch):
 
 
 def test_registers_on_cpu_records_the_reason(cpu_bench, tmp_path):
-    assert bench.main(["registers", "--ranks", "16", "--block-m", "16", "--max-block-r", "128",
+    assert cli.main(["registers", "--ranks", "16", "--block-m", "16", "--max-block-r", "128",
                        "--out", str(tmp_path)]) == 0
-    (row,) = bench.read_csv(tmp_path / "registers.csv")
+    (row,) = read_csv(tmp_path / "registers.csv")
     assert "needs a CUDA GPU" in row["error"]
 
 
 def test_lora_tile_walk_pipeline(cpu_bench, tmp_path, monkeypatch):
-    import moelora_lab.bench_tune as bench_tune
-    monkeypatch.setattr(bench_tune, "AXES", {"block_k": (32, 64), "n_chunks": (1, 2), "block_m": (16,)})
-    assert bench.main(["tune", "--presets", "tiny", "--tokens", "3", "--ranks", "8", "--ops", "w2",
+    monkeypatch.setattr(tune_sweep, "AXES", {"block_k": (32, 64), "n_chunks": (1, 2), "block_m": (16,)})
+    assert cli.main(["tune", "--presets", "tiny", "--tokens", "3", "--ranks", "8", "--ops", "w2",
                        "--dtype", "float32", "--out", str(tmp_path)]) == 0
-    rows = bench.read_csv(tmp_path / "lora_tune.csv")
+    rows = read_csv(tmp_path / "lora_tune.csv")
     for path in ("one_shot", "two_kernel"):
         mine = [r for r in rows if r["path"] == path]
         assert sum(r["rule"] == "True" for r in mine) == 1 and sum(r["best"] == "True" for r in mine) >= 1
         assert all(r["error"] == "" and r["us_median"] == 10.0 for r in mine)
-        keys = [tuple(r[f] for f in bench_tune.TILE_FIELDS) for r in mine]
+        keys = [tuple(r[f] for f in tune_sweep.TILE_FIELDS) for r in mine]
         assert len(keys) == len(set(keys))                     # every config is timed once
     # the walk tries each value of each axis once (n_chunks only for the one-shot kernel)
     assert {r["block_k"] for r in rows} >= {32, 64}
@@ -95,9 +94,7 @@ def test_lora_tile_walk_pipeline(cpu_bench, tmp_path, monkeypatch):
 
 
 def test_lora_tile_walk_keeps_the_fastest(monkeypatch):
-    from moelora_lab.bench_tune import _walk
     from moelora_lab.dispatch import KernelConfig
-    import moelora_lab.bench_tune as bench_tune
 
     cost = {64: 5.0, 128: 3.0, 256: None}             # None: the tile failed (never chosen)
 
@@ -105,34 +102,54 @@ def test_lora_tile_walk_keeps_the_fastest(monkeypatch):
         us = cost.get(cfg.block_k, 9.0)
         return None if us is None else us + (0.5 if cfg.num_warps == 8 else 1.0)
 
-    monkeypatch.setattr(bench_tune, "AXES", {"block_k": (64, 128, 256), "num_warps": (4, 8)})
-    best, us = _walk(KernelConfig(block_k=64, num_warps=4), "one_shot", 1, measure)
+    monkeypatch.setattr(tune_sweep, "AXES", {"block_k": (64, 128, 256), "num_warps": (4, 8)})
+    best, us = tune_sweep._walk(KernelConfig(block_k=64, num_warps=4), "one_shot", 1, measure)
     assert (best.block_k, best.num_warps, us) == (128, 8, 3.5)
 
 
 def test_b_layout_pipeline(cpu_bench, tmp_path):
-    assert bench.main(["layout", "--presets", "tiny", "--tokens", "3", "--ranks", "8", "--dtype", "float32",
+    assert cli.main(["layout", "--presets", "tiny", "--tokens", "3", "--ranks", "8", "--dtype", "float32",
                        "--out", str(tmp_path)]) == 0
-    rows = bench.read_csv(tmp_path / "b_layout.csv")
+    rows = read_csv(tmp_path / "b_layout.csv")
     assert {(r["op"], r["b_layout"]) for r in rows} == {(op, lay) for op in ("w13", "w2")
                                                        for lay in ("r_fastest", "n_fastest")}
 
 
 def test_eager_pipeline(cpu_bench, tmp_path, monkeypatch):
     """bench eager: every way of calling the op and the layer runs (GPU clock and sync counter stubbed)."""
-    import moelora_lab.bench_eager as eager
-    monkeypatch.setattr(eager, "eager_us", lambda fn, calls: [fn(), 99.0][1])
-    monkeypatch.setattr(eager, "syncs_per_call", lambda fn: [fn(), 0][1])
-    assert bench.main(["eager", "--presets", "tiny", "--tokens", "3", "--ranks", "4", "--dtype", "float32",
+    monkeypatch.setattr(eager_sweep, "eager_us", lambda fn, calls: [fn(), 99.0][1])
+    monkeypatch.setattr(eager_sweep, "syncs_per_call", lambda fn: [fn(), 0][1])
+    assert cli.main(["eager", "--presets", "tiny", "--tokens", "3", "--ranks", "4", "--dtype", "float32",
                        "--out", str(tmp_path)]) == 0
-    rows = bench.read_csv(tmp_path / "eager.csv")
-    assert {(r["what"], r["way"]) for r in rows} == {(w, v) for w in ("op", "layer") for v in eager.WAYS}
+    rows = read_csv(tmp_path / "eager.csv")
+    assert {(r["what"], r["way"]) for r in rows} == {(w, v) for w in ("op", "layer") for v in eager_sweep.WAYS}
 
 
 def test_recorded_command_leaves_out_the_output_folder(cpu_bench, tmp_path):
-    assert bench.command_line(["layer", "--out", "/x", "--ranks", "16"]) == "python -m moelora_lab.bench layer --ranks 16"
-    assert bench.command_line(["align", f"--out={tmp_path}"]) == "python -m moelora_lab.bench align"
-    assert bench.main(["align", "--presets", "tiny", "--tokens", "4", "--out", str(tmp_path)]) == 0
-    row = bench.read_csv(tmp_path / "align.csv")[0]
+    assert common.command_line(["layer", "--out", "/x", "--ranks", "16"]) == "python -m moelora_lab.bench layer --ranks 16"
+    assert common.command_line(["align", f"--out={tmp_path}"]) == "python -m moelora_lab.bench align"
+    assert cli.main(["align", "--presets", "tiny", "--tokens", "4", "--out", str(tmp_path)]) == 0
+    row = read_csv(tmp_path / "align.csv")[0]
     assert row["command"] == "python -m moelora_lab.bench align --presets tiny --tokens 4"
     assert (row["schema"], row["config"]) == (DATA_SCHEMA, config_fingerprint()) and row["code"]
+
+
+def test_every_subcommand_parses_its_defaults():
+    from moelora_lab.bench import layer_sweep
+    assert list(cli.SUBCOMMANDS) == ["kernels", "registers", "layer", "align", "gemm", "eager", "tune", "layout"]
+    for what, module in cli.SUBCOMMANDS.items():
+        args = cli.parse_args([what])
+        assert args.what == module.NAME == what and args.command == f"python -m moelora_lab.bench {what}"
+        assert args.out == common.DEFAULT_OUT and callable(module.run)
+    assert cli.parse_args(["layer"]).variants == list(layer_sweep.VARIANTS)
+    assert cli.parse_args(["layer", "--variants", "plan", "no_lora"]).variants == ["plan", "no_lora"]
+    with pytest.raises(SystemExit):
+        cli.parse_args(["layer", "--variants", "no_such_variant"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the benchmark's answer on a machine without CUDA")
+def test_live_data_runs_the_benchmark_command(tmp_path, capsys):
+    """lesson.data(live=True) runs `python -m moelora_lab.bench` as its own process and reports its failure."""
+    with pytest.raises(RuntimeError, match=r"bench align --presets tiny failed \(exit 2\):\n.*needs a GPU"):
+        lesson.data("align", live=True, bench=["align", "--presets", "tiny"])
+    assert "needs a GPU" in capsys.readouterr().err       # its messages are printed as they come

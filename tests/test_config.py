@@ -130,3 +130,38 @@ def test_make_problem_type_errors():
         make_problem("tiny", (2, 4), 4)
     with pytest.raises(TypeError, match="shape: expected a MoEShape"):
         make_problem(42, LoRAShape(2, 4), 4)
+
+
+def test_layer_lora_weights_shapes_packing_and_device():
+    from moelora_lab.config import layer_lora_weights, random_lora_weights
+    from moelora_lab.ops import pack_lora_b
+    shape = MoEShape.from_name("tiny")
+    H, I, E = shape.hidden, shape.intermediate, shape.num_experts
+    w = layer_lora_weights(shape, 3, 4, torch.Generator().manual_seed(0), torch.float32)
+    assert [a.shape for a in w["w13_lora_a"]] == [(3, E, 4, H)] * 2 and [b.shape for b in w["w13_lora_b"]] == [(3, E, I, 4)] * 2
+    assert [a.shape for a in w["w2_lora_a"]] == [(3, E, 4, I)] and [b.shape for b in w["w2_lora_b"]] == [(3, E, H, 4)]
+    assert w["w2_lora_b"][0].stride(2) == 1 and w["w2_lora_a"][0].device.type == "cpu"      # B packed N-fastest
+    # the same draws as one op at a time, w13 first, then B packed
+    gen = torch.Generator().manual_seed(0)
+    a13, b13 = random_lora_weights(shape, "w13", 3, 4, gen, torch.float32)
+    a2, b2 = random_lora_weights(shape, "w2", 3, 4, gen, torch.float32)
+    assert all(torch.equal(x, y) for x, y in zip([*a13, *b13, *a2, *b2],
+                                                 [*w["w13_lora_a"], *w["w13_lora_b"], *w["w2_lora_a"], *w["w2_lora_b"]]))
+    assert b13[0].stride(3) == 1 and pack_lora_b(b13)[0].stride(2) == 1
+    assert float(a13[0].std()) == pytest.approx(H ** -0.5, rel=0.2)
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(shape="tiny"), TypeError, "shape: expected a MoEShape"),
+    (dict(op="w3"), ValueError, "op: 'w3' is not one of 'w13', 'w2'"),
+    (dict(num_loras=0), ValueError, "num_loras"),
+    (dict(rank=-1), ValueError, "rank"),
+    (dict(generator=0), TypeError, "generator: expected a torch.Generator"),
+    (dict(dtype=torch.int32), TypeError, "dtype: torch.int32 is not supported"),
+])
+def test_random_lora_weights_validation(kwargs, exc, match):
+    from moelora_lab.config import random_lora_weights
+    args = dict(shape=MoEShape.from_name("tiny"), op="w13", num_loras=2, rank=4, generator=torch.Generator(),
+                dtype=torch.float32) | kwargs
+    with pytest.raises(exc, match=match):
+        random_lora_weights(**args)

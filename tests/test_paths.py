@@ -51,11 +51,11 @@ def test_auto_skips_paths_that_cannot_run_the_call(monkeypatch):
 
 
 def test_bench_and_layer_choices_come_from_the_table():
-    from moelora_lab import bench
-    args = bench.parse_args(["kernels", "--paths", *TRITON_PATHS, "auto"])
+    from moelora_lab.bench import cli
+    args = cli.parse_args(["kernels", "--paths", *TRITON_PATHS, "auto"])
     assert args.paths == list(TRITON_PATHS) + ["auto"]
     with pytest.raises(SystemExit):
-        bench.parse_args(["kernels", "--paths", "naive"])
+        cli.parse_args(["kernels", "--paths", "naive"])
     p = ml.make_problem(ml.MoEShape(48, 40, 6, 2, "t"), ml.LoRAShape(2, 4), 3, seed=0)
     with pytest.raises(ValueError, match="lora_path: 'fast' is not one of 'two_kernel', 'one_shot', 'small_batch', "
                                          "'auto'"):

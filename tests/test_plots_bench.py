@@ -9,7 +9,7 @@ import pytest
 from matplotlib.collections import PolyCollection
 from matplotlib.figure import Figure
 
-from moelora_lab.bench import read_csv, write_csv
+from moelora_lab.results import read_csv, write_csv
 from moelora_lab.plots.bench import (PATH_STYLE, draw_roofline, draw_speedup_vs_vllm, draw_time_vs_tokens,
                                      save_kernel_plots, select, vllm_comparison)
 
@@ -181,7 +181,7 @@ def test_gemm_tile_rule_against_the_committed_sweep():
     """The tile rule in moe.gemm_tiles was read off gemm_tune.csv: its tiles ran in the sweep, come
     within 8% of the grid's best for every GEMM (the worst: w2 with the in-GEMM LoRA at M = 16, 1.07x),
     and never lose more than 1% to the rule in force when the sweep ran."""
-    from moelora_lab.bench import DEFAULT_OUT, read_csv
+    from moelora_lab.results import DATA_DIR as DEFAULT_OUT, read_csv
     from moelora_lab.plots.bench import gemm_tile_table
 
     table = gemm_tile_table(read_csv(DEFAULT_OUT / "gemm_tune.csv"))
@@ -248,8 +248,8 @@ def test_lora_tile_rule_against_the_committed_walk():
     case the tiles the walk marked as the rule are what the rule gives today for the same routing on a
     132-SM H200, and for the one-shot path at r = 16 (the narrow-rank rule, the tiles ``auto`` runs
     there) the walk found nothing more than 15% faster around them."""
-    from moelora_lab.bench import DEFAULT_OUT, read_csv
-    from moelora_lab.bench_tune import TILE_FIELDS
+    from moelora_lab.results import DATA_DIR as DEFAULT_OUT, read_csv
+    from moelora_lab.bench.tune_sweep import TILE_FIELDS
     from moelora_lab.config import MoEShape, make_routing
     from moelora_lab.dispatch import gpu_config
     from moelora_lab.profile.traffic import count_workload

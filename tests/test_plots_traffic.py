@@ -10,7 +10,7 @@ from matplotlib.container import BarContainer
 from matplotlib.figure import Figure
 
 from moelora_lab import MoEShape
-from moelora_lab.bench import read_csv
+from moelora_lab.results import read_csv
 from moelora_lab.plots.bench import PATH_STYLE, select
 from moelora_lab.plots.traffic import (
     draw_bytes_breakdown,

@@ -13,7 +13,7 @@ import torch
 from moelora_lab import results
 import triton
 
-from moelora_lab.bench import read_csv
+from moelora_lab.results import read_csv
 from moelora_lab.profile.report import (
     BLOCKS_PER_SM,
     REGS_PER_SM,

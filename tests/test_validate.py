@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import moelora_lab as ml
-from moelora_lab.bench_eager import syncs_per_call
+from moelora_lab.bench.eager_sweep import syncs_per_call
 from moelora_lab.dispatch import KernelConfig
 from moelora_lab.layer import moe_lora_layer, plan_layer
 from moelora_lab.ops import moe_lora

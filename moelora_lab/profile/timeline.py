@@ -1,18 +1,35 @@
-"""Per-stream timelines of the layer's stages, and what they say about overlap.
+"""Per-stream timelines of the layer's stages, what they say about overlap, and what each stage moves.
+
+Shape legend: M tokens, E experts, k top-k, L adapters, r rank, H hidden, I intermediate, P = M*k pairs.
 
 A record is ``{"stream": lane, "name": stage, "start_us": float, "end_us": float}``; lanes are
 "main" (base MoE and joins) and "lora" (the side stream). On a GPU, :class:`Tracer` records a
 pair of CUDA events around every stage on the stream that runs it; :func:`capture_timeline` first
 parks the main stream in a short sleep kernel so the CPU has queued every launch before the GPU
 starts, which makes the timeline show the GPU's schedule rather than Python's launch speed.
+:func:`stage_model` gives each stage of a benchmark trace its bytes (the byte model) and its tiles
+(the dispatch rule); ``profile.trace_events`` writes and reads timelines as Chrome trace-event JSON.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from pathlib import Path
 
 import torch
+
+from ..config import MoEShape, make_routing
+from ..dispatch import gpu_config
+from ..moe import fused_columns, gpu_gemm_tiles
+from .traffic import Traffic, count_workload, layer_traffic
+
+H200_SMS = 132          # streaming multiprocessors of an NVIDIA H200: an input of the LoRA tile rule
+MODEL_KEYS = ("preset", "M", "rank", "loras", "schedule", "lora_path")
+STAGE_KINDS = {"base_w13": "base_gemm", "base_w2": "base_gemm", "lora_w13": "lora", "lora_w2": "lora",
+               "act": "join", "sum": "join", "w13+lora": "fused_gemm", "w2+lora": "fused_gemm"}
+LORA_KERNELS = {"one_shot": "one_shot_kernel", "two_kernel": "shrink_kernel, expand_kernel",
+                "small_batch": "small_batch_kernel"}
 
 
 class Tracer:
@@ -106,3 +123,75 @@ def overlap_metrics(records, main: str = "main", side: str = "lora") -> dict:
 def save_traces(traces: dict, path) -> None:
     """``traces``: case name -> {"meta": {...}, "records": [...]}; one small JSON file."""
     Path(path).write_text(json.dumps(traces, indent=1))
+
+
+@functools.lru_cache(maxsize=64)
+def bench_workload(shape: MoEShape, num_tokens: int, num_loras: int, seed: int = 0):
+    """The counted ``Workload`` of the benchmarks' routing of M tokens: ``make_routing`` with
+    ``seed + M`` and ``min(M, 8)`` sequences (as ``python -m moelora_lab.bench`` draws it); cached."""
+    r = make_routing(shape, num_loras, num_tokens, seed=seed + num_tokens, num_sequences=min(num_tokens, 8))
+    return count_workload(r["topk_ids"], r["token_lora"], shape.num_experts, num_loras)
+
+
+def _lora_weights(t: Traffic) -> Traffic:
+    """The LoRA weight reads of a LoRA op's traffic, alone."""
+    nbytes = t.part("lora_a") + t.part("lora_b")
+    return Traffic(nbytes, 0, 0, 0, (("lora_weights", nbytes),))
+
+
+def stage_model(meta: dict, *, sms: int = H200_SMS) -> dict[str, dict]:
+    """Bytes and tiles of every stage of one benchmark trace, from the case's ``meta`` alone.
+
+    meta: preset, M, rank, loras (L), schedule, lora_path and optionally seed (default 0); bf16 (2 bytes).
+    Returns stage -> {"kind", "kernel", "bytes", "bytes_read", "bytes_written", "tiles"}, where
+    bytes: ``layer_traffic`` of the benchmarks' routing (``bench_workload``): a lower bound of the HBM
+    bytes. The fused schedule's w13+lora / w2+lora move the base GEMM's bytes plus every touched
+    (adapter, expert)'s LoRA weights once; its act and sum read no LoRA deltas.
+    tiles: ``gpu_gemm_tiles(P / E)`` for the base GEMMs (``lora=True`` and BLOCK_LR for the fused ones);
+    for the LoRA ops the ``KernelConfig`` of ``gpu_config(path, P, groups, N, S, sms, rank=r)`` (w13:
+    N = I, S = 2; w2: N = H, S = 1) with its BLOCK_R and RANK_TILES; unset fields (None) left out; none for
+    act and sum (the row-wise kernels have no tile rule). ``sms``: the GPU's SMs (132 on an NVIDIA H200).
+    """
+    if not isinstance(meta, dict):
+        raise TypeError(f"meta: expected a dict (a trace's 'meta'), got {type(meta).__name__}")
+    missing = [key for key in MODEL_KEYS if key not in meta]
+    if missing:
+        raise ValueError(f"meta: {', '.join(missing)} missing; the byte model and tile rule need a benchmark "
+                         f"trace's meta ({', '.join(MODEL_KEYS)})")
+    if isinstance(sms, bool) or not isinstance(sms, int) or sms < 1:
+        raise ValueError(f"sms: expected a positive int (the GPU's SM count, {H200_SMS} on an NVIDIA H200), "
+                         f"got {sms!r}")
+    shape = MoEShape.from_name(meta["preset"])
+    M, r, L, schedule, path = meta["M"], meta["rank"], meta["loras"], meta["schedule"], meta["lora_path"]
+    work = bench_workload(shape, M, L, meta.get("seed", 0))
+    P, E, H, I = M * shape.top_k, shape.num_experts, shape.hidden, shape.intermediate
+    if schedule == "fused":
+        lora, base = layer_traffic(shape, r, work), layer_traffic(shape, r, work, with_lora=False)
+        traffic = {"w13+lora": base["base_w13"] + _lora_weights(lora["lora_w13"]), "act": base["act"],
+                   "w2+lora": base["base_w2"] + _lora_weights(lora["lora_w2"]), "sum": base["sum"]}
+        fused = dict(gpu_gemm_tiles(P / E, lora=True), BLOCK_LR=fused_columns(L, r))
+        tiles = {"w13+lora": fused, "w2+lora": fused}
+    else:
+        traffic = layer_traffic(shape, r, work, lora_path=path)
+        groups = P if path == "small_batch" else min(P, L * E)
+        tiles = {"base_w13": gpu_gemm_tiles(P / E), "base_w2": gpu_gemm_tiles(P / E)}
+        for stage, n_out, slices in (("lora_w13", I, 2), ("lora_w2", H, 1)):
+            cfg = gpu_config(path, P, groups, n_out, slices, sms, rank=r)
+            block_r, rank_tiles = cfg.rank_tiling(r)
+            tiles[stage] = dict({key: v for key, v in vars(cfg).items() if v is not None}, BLOCK_R=block_r,
+                                RANK_TILES=rank_tiles)
+    kernels = {"base_gemm": "moe_gemm_kernel", "fused_gemm": "moe_gemm_kernel (with LoRA)",
+               "lora": LORA_KERNELS.get(path, path), "act": "silu_and_mul_kernel", "sum": "topk_sum_kernel"}
+    model = {}
+    for stage, t in traffic.items():
+        if stage in ("total", "floor"):
+            continue
+        kind = STAGE_KINDS[stage]
+        model[stage] = dict(kind=kind, kernel=kernels.get(stage, kernels.get(kind)), bytes=t.bytes,
+                            bytes_read=t.bytes_read, bytes_written=t.bytes_written, tiles=dict(tiles.get(stage, {})))
+    return model
+
+
+def achieved_gbps(nbytes: int, dur_us: float) -> float | None:
+    """Bytes over time in GB/s (10^9 bytes per second); None for a zero duration."""
+    return round(nbytes / dur_us / 1e3, 2) if dur_us > 0 else None

@@ -111,7 +111,7 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
 
 
 def check_rows(name: str, rows, keys: Sequence[str], source: str | None = None) -> list:
-    """Check a non-empty list of dict rows (e.g. ``bench.read_csv``) that all carry ``keys``."""
+    """Check a non-empty list of dict rows (e.g. ``results.read_csv``) that all carry ``keys``."""
     what = f" (read_csv of {source})" if source else ""
     if isinstance(rows, (str, bytes, Mapping)) or not isinstance(rows, Sequence) or not rows:
         raise TypeError(f"{name}: expected a non-empty list of dicts{what}, got {type(rows).__name__}")

@@ -26,60 +26,46 @@ import warnings
 
 import torch
 
-from .bench import _lora_weights, device, sweep_routing
-from .ops import pack_lora_b
+from ..config import MoEShape, layer_lora_weights
+from ..layer import SIDE_PRIORITIES, fused_fits, moe_lora_layer, plan_layer, resolve_schedule
+from ..moe import gemm_tiles, moe_gemm
+from ..profile import timing
+from ..profile.timeline import capture_timeline, overlap_metrics, save_traces
+from ..profile.traffic import count_workload, layer_traffic
+from .common import base_weights, device, grouped_mm_fns, progress, seeded_generator, sweep_parser, sweep_routing
 
+NAME = "layer"
 VARIANTS = ("no_lora", "sequential", "dual_stream", "fused", "auto", "sequential_vllm_join",
             "dual_stream_vllm_join", "base_gemms", "grouped_mm", "plan")
 
 
-def layer_lora_weights(shape, L, rank, gen, dtype) -> dict:
-    """Random LoRA weights of one layer as ``moe_lora_layer`` takes them (w13 and w2, B packed N-fastest)."""
-    out = {}
-    for op in ("w13", "w2"):
-        a, b = _lora_weights(shape, op, L, rank, dtype, gen)
-        out[f"{op}_lora_a"], out[f"{op}_lora_b"] = a, pack_lora_b(b)
-    return out
-
-
-def _grouped_mm_fns(x, h, topk_ids, w13, w2):
-    """The w13 and w2 base GEMMs through torch._grouped_mm on rows pre-grouped by expert (grouping
-    not timed): two callables."""
-    k = topk_ids.shape[1]
-    experts = topk_ids.reshape(-1).long()
-    order = torch.sort(experts, stable=True).indices
-    xs, hs = x[order // k].contiguous(), h[order].contiguous()
-    offs = torch.cumsum(torch.bincount(experts, minlength=w13.shape[0]), 0).to(torch.int32)
-    b13, b2 = w13.transpose(1, 2), w2.transpose(1, 2)
-    return lambda: torch._grouped_mm(xs, b13, offs=offs), lambda: torch._grouped_mm(hs, b2, offs=offs)
+def add_parser(sub):
+    y = sweep_parser(sub, NAME, "the MoE layer: no LoRA, sequential, dual stream, join variants; timelines",
+                     name="layer", tokens=(1, 16, 64, 128, 512, 2048, 8192), ranks=(16, 64), max_seconds=True)
+    y.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), metavar="VARIANT",
+                   help=f"a subset of {', '.join(VARIANTS)} (default: all)")
+    y.add_argument("--trace-tokens", nargs="+", type=int, default=[1, 16, 128, 512, 2048, 8192])
+    y.add_argument("--trace-ranks", nargs="+", type=int, default=[16, 64])
+    y.add_argument("--side-priority", choices=SIDE_PRIORITIES, default=SIDE_PRIORITIES[0])
 
 
 def run_layer(args) -> tuple[list[dict], dict]:
-    from tqdm.auto import tqdm
-
-    from .config import MoEShape
-    from .layer import fused_fits, moe_lora_layer, plan_layer, resolve_schedule
-    from .moe import gemm_tiles, moe_gemm
-    from .profile.timeline import capture_timeline, overlap_metrics
-    from .profile.timing import copy_bandwidth, matmul_rate, provenance, time_cuda
-    from .profile.traffic import count_workload, layer_traffic
-
+    """The timed rows, and the timelines by case name ({meta, records, metrics})."""
     dtype = getattr(torch, args.dtype)
-    prov = provenance(args.command)
-    copy_bps, flops_per_s = copy_bandwidth(), matmul_rate(dtype)
-    gen = torch.Generator(device=device()).manual_seed(args.seed)
+    prov = timing.provenance(args.command)
+    copy_bps, flops_per_s = timing.copy_bandwidth(), timing.matmul_rate(dtype)
+    gen = seeded_generator(args.seed)
     rows, traces = [], {}
     cases = [(p, r, m) for p in args.presets for r in args.ranks for m in args.tokens]
     start = time.monotonic()
-    for preset, rank, M in tqdm(cases, desc="layer", unit="case"):
+    for preset, rank, M in progress(cases, desc="layer", unit="case"):
         if time.monotonic() - start > args.max_seconds:
             print(f"time budget of {args.max_seconds} s spent: skipping the remaining cases", file=sys.stderr)
             break
         shape = MoEShape.from_name(preset)
         E, H, I, k, L = shape.num_experts, shape.hidden, shape.intermediate, shape.top_k, args.loras
         if not rows or rows[-1]["preset"] != preset:
-            w13 = torch.randn(E, 2 * I, H, device=device(), generator=gen, dtype=dtype) / H ** 0.5
-            w2 = torch.randn(E, H, I, device=device(), generator=gen, dtype=dtype) / I ** 0.5
+            w13, w2 = base_weights(shape, gen, dtype)
         lora = dict(layer_lora_weights(shape, L, rank, gen, dtype), side_priority=args.side_priority)
         ids, tw, tl = sweep_routing(shape, L, M, args.seed)
         x = torch.randn(M, H, device=device(), generator=gen, dtype=dtype)
@@ -92,7 +78,7 @@ def run_layer(args) -> tuple[list[dict], dict]:
         c1 = torch.empty(M * k, 2 * I, device=device(), dtype=dtype)
         c3 = torch.empty(M * k, H, device=device(), dtype=dtype)
         tiles, wflat = gemm_tiles(M * k, E), tw.reshape(-1).contiguous()
-        grouped = _grouped_mm_fns(x, h, ids, w13, w2)
+        grouped = grouped_mm_fns(x, h, ids, w13, w2)
         fns = {
             "no_lora": lambda: moe_lora_layer(*base, plan=plan_b),
             "sequential": lambda: moe_lora_layer(*base, **lora, schedule="sequential", plan=plan_l),
@@ -118,7 +104,7 @@ def run_layer(args) -> tuple[list[dict], dict]:
             if name == "fused" and plan_f is None:
                 continue                       # L*r too wide for the in-GEMM LoRA: not a schedule here
             try:
-                t = time_cuda(fns[name])
+                t = timing.time_cuda(fns[name])
                 med, p20, p80 = round(t.median_us, 2), round(t.p20_us, 2), round(t.p80_us, 2)
             except Exception as exc:   # e.g. torch._grouped_mm missing on an older torch: record, go on
                 med = p20 = p80 = ""
@@ -154,3 +140,18 @@ def run_layer(args) -> tuple[list[dict], dict]:
         del lora
         torch.cuda.empty_cache()
     return rows, traces
+
+
+def run(args) -> list[dict]:
+    """Time the layer; write its timelines to ``<out>/<name>_traces.json`` (none on the CPU)."""
+    rows, traces = run_layer(args)
+    if traces:
+        args.out.mkdir(parents=True, exist_ok=True)
+        save_traces(traces, args.out / f"{args.name}_traces.json")
+    return rows
+
+
+def save_plots(rows, args) -> list:
+    """The layer plots next to the CSV."""
+    from ..plots.layer import save_layer_plots   # imported here: matplotlib is only needed for plots
+    return save_layer_plots(rows, args.out, args.name)

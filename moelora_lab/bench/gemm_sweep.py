@@ -4,7 +4,8 @@ the in-GEMM LoRA), the evidence behind ``moe.gemm_tiles``.
 For each (preset, w13/w2, M) every tile in ``TILE_GRID`` (and BLOCK_M 64 / 128 once experts get
 more than 32 pairs, each with GROUP_M 1 and 8) is checked against the rule's tiles' output and
 timed as a CUDA-graph replay with L2 flushed; ``torch._grouped_mm`` on rows already grouped by
-expert is timed next to it, per GEMM and for the w13 + w2 pair. The CSV is rewritten after every M, so a cut-short run keeps its rows.
+expert is timed next to it, per GEMM and for the w13 + w2 pair. The CSV is rewritten after every
+M, so a cut-short run keeps its rows.
 
 Shape legend: M tokens, E experts, k top-k, L adapters, r rank, H hidden, I expert intermediate.
 """
@@ -15,8 +16,15 @@ import time
 
 import torch
 
-from .bench import device, sweep_routing
+from ..align import make_blocks
+from ..config import MoEShape, layer_lora_weights
+from ..moe import GemmLoRA, gemm_tiles, moe_gemm
+from ..profile import timing
+from ..results import write_csv
+from .common import (base_weights, device, grouped_mm_fns, progress, seeded_generator, sweep_parser,
+                     sweep_routing)
 
+NAME = "gemm"
 # (BLOCK_N, BLOCK_K, num_stages, num_warps): a curated grid, GROUP_M 1 and 8 on top
 TILE_GRID = ((32, 128, 4, 4), (32, 256, 3, 4), (64, 128, 4, 4), (64, 256, 3, 4), (64, 64, 5, 4),
              (128, 64, 3, 4), (128, 64, 4, 4), (128, 128, 3, 4), (128, 128, 3, 8), (256, 64, 3, 8),
@@ -24,8 +32,7 @@ TILE_GRID = ((32, 128, 4, 4), (32, 256, 3, 4), (64, 128, 4, 4), (64, 256, 3, 4),
 
 
 def add_parser(sub):
-    from .bench import sweep_parser
-    g = sweep_parser(sub, "gemm", "tile grid of the base grouped GEMM, with and without the in-GEMM LoRA",
+    g = sweep_parser(sub, NAME, "tile grid of the base grouped GEMM, with and without the in-GEMM LoRA",
                      name="gemm_tune", tokens=(1, 16, 64, 128, 512, 2048, 8192), max_seconds=True)
     g.add_argument("--lora-rank", type=int, default=16, help="rank of the in-GEMM LoRA rows (0: none)")
     g.add_argument("--lora-max-tokens", type=int, default=128, help="time the in-GEMM LoRA up to this M")
@@ -43,27 +50,17 @@ def _tiles_for(per_expert: float, default: dict) -> list[dict]:
     return out
 
 
-def run_gemm(args) -> list[dict]:
-    from tqdm.auto import tqdm
-
-    from .align import make_blocks
-    from .bench import write_csv
-    from .bench_layer import _grouped_mm_fns, layer_lora_weights
-    from .config import MoEShape
-    from .moe import GemmLoRA, gemm_tiles, moe_gemm
-    from .profile.timing import provenance, time_cuda
-
+def run(args) -> list[dict]:
     dtype = getattr(torch, args.dtype)
-    prov = provenance(args.command)
-    gen = torch.Generator(device=device()).manual_seed(args.seed)
+    prov = timing.provenance(args.command)
+    gen = seeded_generator(args.seed)
     rows, start = [], time.monotonic()
     for preset in args.presets:
         shape = MoEShape.from_name(preset)
         E, H, I, k, L = shape.num_experts, shape.hidden, shape.intermediate, shape.top_k, args.loras
-        w13 = torch.randn(E, 2 * I, H, device=device(), generator=gen, dtype=dtype) / H ** 0.5
-        w2 = torch.randn(E, H, I, device=device(), generator=gen, dtype=dtype) / I ** 0.5
+        w13, w2 = base_weights(shape, gen, dtype)
         lora = layer_lora_weights(shape, L, max(args.lora_rank, 1), gen, dtype)
-        for M in tqdm(args.tokens, desc=f"gemm {preset}", unit="M"):
+        for M in progress(args.tokens, desc=f"gemm {preset}", unit="M"):
             if time.monotonic() - start > args.max_seconds:
                 print(f"time budget of {args.max_seconds} s spent: skipping M={M} and up", file=sys.stderr)
                 break
@@ -73,9 +70,9 @@ def run_gemm(args) -> list[dict]:
             h = torch.randn(P, I, device=device(), generator=gen, dtype=dtype)
             ops = {"w13": (x, w13, None, GemmLoRA(tl32, lora["w13_lora_a"], lora["w13_lora_b"])),
                    "w2": (h, w2, wflat, GemmLoRA(tl32, lora["w2_lora_a"], lora["w2_lora_b"]))}
-            ref13, ref2 = _grouped_mm_fns(x, h, ids, w13, w2)
-            grouped = {"w13": time_cuda(ref13).median_us, "w2": time_cuda(ref2).median_us,
-                       "pair": time_cuda(lambda: (ref13(), ref2())).median_us}
+            ref13, ref2 = grouped_mm_fns(x, h, ids, w13, w2)
+            grouped = {"w13": timing.time_cuda(ref13).median_us, "w2": timing.time_cuda(ref2).median_us,
+                       "pair": timing.time_cuda(lambda: (ref13(), ref2())).median_us}
             blocks = {}
             loras = [None] + ([args.lora_rank] if args.lora_rank and M <= args.lora_max_tokens else [])
             for op, (inp, w, weights, glora) in ops.items():
@@ -99,7 +96,7 @@ def run_gemm(args) -> list[dict]:
                             if not ok:
                                 error = "output differs from the default tiles"
                             else:
-                                t = time_cuda(fn)
+                                t = timing.time_cuda(fn)
                                 med, p20, p80 = round(t.median_us, 2), round(t.p20_us, 2), round(t.p80_us, 2)
                         except Exception as exc:    # e.g. out of shared memory for this tile: record, go on
                             error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"

@@ -1,6 +1,5 @@
 """``python -m moelora_lab.bench tune``: a greedy tile search for the LoRA op, the evidence behind
-``dispatch.choose_config``; ``python -m moelora_lab.bench layout``: the op with LoRA B in either
-memory order (the evidence behind ``pack_lora_b``).
+``dispatch.choose_config``.
 
 For each (preset, op, rank, M) case and path it starts from the tiles the rule picks, then walks
 ``AXES`` one at a time: every value of that axis is tried with the others held, the fastest is kept,
@@ -18,9 +17,17 @@ import time
 
 import torch
 
-from .bench import device, sweep_routing
-from .paths import PATHS, TRITON_PATHS
+from ..config import MoEShape, random_lora_weights
+from ..dispatch import choose_config
+from ..ops import moe_lora
+from ..paths import PATHS, TRITON_PATHS
+from ..profile import timing
+from ..profile.traffic import count_workload, lora_op_traffic
+from ..results import write_csv
+from ..routing import block_list
+from .common import device, progress, seeded_generator, sweep_parser, sweep_routing
 
+NAME = "tune"
 # KernelConfig fields and the values the walk tries (n_chunks only matters to the one-shot kernel)
 AXES = {
     "block_k": (32, 64, 128, 256, 512),
@@ -34,64 +41,12 @@ TILE_FIELDS = ("block_m", "block_n", "block_k", "n_chunks", "num_warps", "num_st
 
 
 def add_parser(sub):
-    from .bench import sweep_parser
-    t = sweep_parser(sub, "tune", "greedy tile search of the LoRA op (one-shot and two-kernel)", name="lora_tune",
+    t = sweep_parser(sub, NAME, "greedy tile search of the LoRA op (one-shot and two-kernel)", name="lora_tune",
                      tokens=(16, 64, 512, 128, 1, 2048), ranks=(16, 64), max_seconds=True)
     t.add_argument("--ops", nargs="+", choices=["w13", "w2"], default=["w13", "w2"])
     block_paths = [name for name in TRITON_PATHS if PATHS[name].uses_blocks]
     t.add_argument("--paths", nargs="+", choices=block_paths, default=block_paths)
     t.add_argument("--passes", type=int, default=1, help="walks over all axes per case")
-
-
-def add_layout_parser(sub):
-    from .bench import sweep_parser
-    sweep_parser(sub, "layout", "the one-shot op with LoRA B r-fastest (as given) vs N-fastest (packed)",
-                 name="b_layout", tokens=(1, 16, 64, 512, 2048), ranks=(16, 64))
-
-
-def run_layout(args) -> list[dict]:
-    from .bench import _lora_weights
-    from .config import MoEShape
-    from .dispatch import choose_config, choose_path
-    from .ops import moe_lora, pack_lora_b
-    from .profile.timing import provenance, time_cuda
-    from .routing import block_list
-
-    dtype = getattr(torch, args.dtype)
-    prov = provenance(args.command)
-    gen = torch.Generator(device=device()).manual_seed(args.seed)
-    rows = []
-    for preset in args.presets:
-        shape = MoEShape.from_name(preset)
-        L, k = args.loras, shape.top_k
-        for rank in args.ranks:
-            for op in ("w13", "w2"):
-                a, b = _lora_weights(shape, op, L, rank, dtype, gen)
-                layouts = {"r_fastest": b, "n_fastest": pack_lora_b(b)}
-                for M in args.tokens:
-                    ids, tw, tl = sweep_routing(shape, L, M, args.seed)
-                    x = torch.randn(M if op == "w13" else M * k, a[0].shape[3], device=device(), generator=gen,
-                                    dtype=dtype)
-                    N, S, P = b[0].shape[2], len(a), M * k
-                    out = torch.zeros(M, k, S * N, device=device(), dtype=dtype)
-                    path = choose_path(P, shape.num_experts, L, rank)
-                    cfg = choose_config(path, P, min(P, L * shape.num_experts), N, S, x.device, rank=rank)
-                    blocks = block_list(ids, tl, shape.num_experts, L, cfg.block_m)    # built once, not timed
-                    want = None
-                    for name, bb in layouts.items():
-                        fn = lambda: moe_lora(x, ids, tw, tl, a, bb, path=path, mul_routed_weight=op == "w2",
-                                              output=out, add_inputs=False, blocks=blocks)
-                        got = fn().float().clone()
-                        want = got if want is None else want
-                        if not torch.allclose(got, want, rtol=1e-2, atol=1e-2 * float(want.abs().max())):
-                            raise RuntimeError(f"{op} M={M} r={rank}: the {name} layout changed the result")
-                        t = time_cuda(fn)
-                        rows.append(dict(preset=preset, op=op, path=path, M=M, rank=rank, loras=L,
-                                         dtype=args.dtype, b_layout=name, us_median=round(t.median_us, 2), us_p20=round(t.p20_us, 2),
-                                         us_p80=round(t.p80_us, 2), **prov))
-                del a, b, layouts
-                torch.cuda.empty_cache()
-    return rows
 
 
 def _key(cfg) -> tuple:
@@ -113,25 +68,15 @@ def _walk(start, path, passes, measure):
     return best, best_us
 
 
-def run_tune(args) -> list[dict]:
-    from tqdm.auto import tqdm
-
-    from .bench import _lora_weights, write_csv
-    from .config import MoEShape
-    from .dispatch import choose_config
-    from .ops import moe_lora
-    from .profile.timing import copy_bandwidth, provenance, time_cuda
-    from .profile.traffic import count_workload, lora_op_traffic
-    from .routing import block_list
-
+def run(args) -> list[dict]:
     dtype = getattr(torch, args.dtype)
-    prov = provenance(args.command)
-    copy_bps = copy_bandwidth()
-    gen = torch.Generator(device=device()).manual_seed(args.seed)
+    prov = timing.provenance(args.command)
+    copy_bps = timing.copy_bandwidth()
+    gen = seeded_generator(args.seed)
     rows, start = [], time.monotonic()
     cases = [(p, r, op, M) for p in args.presets for r in args.ranks for M in args.tokens for op in args.ops]
     weights = {}
-    for preset, rank, op, M in tqdm(cases, desc="tune", unit="case"):
+    for preset, rank, op, M in progress(cases, desc="tune", unit="case"):
         if time.monotonic() - start > args.max_seconds:
             print(f"time budget of {args.max_seconds} s spent: skipping the remaining cases", file=sys.stderr)
             break
@@ -140,7 +85,7 @@ def run_tune(args) -> list[dict]:
         if (preset, rank) not in weights:          # both ops' weights for one (preset, rank), made once
             weights.clear()
             torch.cuda.empty_cache()
-            weights[preset, rank] = {o: _lora_weights(shape, o, L, rank, dtype, gen) for o in args.ops}
+            weights[preset, rank] = {o: random_lora_weights(shape, o, L, rank, gen, dtype) for o in args.ops}
         lora_a, lora_b = weights[preset, rank][op]
         k_in, n_out, S = lora_a[0].shape[3], lora_b[0].shape[2], len(lora_a)
         ids, tw, tl = sweep_routing(shape, L, M, args.seed)
@@ -171,7 +116,7 @@ def run_tune(args) -> list[dict]:
                     if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())):
                         error = "output differs from the rule's tiles"
                     else:
-                        t = time_cuda(fn, warmup_ms=10, rep_ms=40)
+                        t = timing.time_cuda(fn, warmup_ms=10, rep_ms=40)
                         us, p20, p80 = round(t.median_us, 2), round(t.p20_us, 2), round(t.p80_us, 2)
                 except Exception as exc:    # e.g. out of shared memory for this tile: record, go on
                     error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"

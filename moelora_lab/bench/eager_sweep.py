@@ -17,14 +17,21 @@ import warnings
 
 import torch
 
-from .bench import device, sweep_routing
+from ..config import MoEShape, layer_lora_weights
+from ..dispatch import choose_config
+from ..layer import moe_lora_layer, plan_layer
+from ..ops import moe_lora
+from ..paths import resolve_path
+from ..profile import timing
+from ..routing import block_list
+from .common import base_weights, device, progress, seeded_generator, sweep_parser, sweep_routing
 
+NAME = "eager"
 WAYS = ("checked", "reused", "validate_false")
 
 
 def add_parser(sub):
-    from .bench import sweep_parser
-    e = sweep_parser(sub, "eager", "eager time and device synchronisations per call, with and without validation",
+    e = sweep_parser(sub, NAME, "eager time and device synchronisations per call, with and without validation",
                      name="eager", tokens=(1, 16, 128), ranks=(16,))
     e.add_argument("--calls", type=int, default=200, help="eager calls per measurement")
 
@@ -59,12 +66,6 @@ def eager_us(fn, calls: int) -> float:
 
 def _cases(shape, L, rank, M, seed, dtype, gen, weights):
     """The (what, way) -> callable table of one (M, rank)."""
-    from .layer import moe_lora_layer, plan_layer
-    from .ops import moe_lora
-    from .routing import block_list
-    from .dispatch import choose_config
-    from .paths import resolve_path
-
     E, H = shape.num_experts, shape.hidden
     ids, tw, tl = sweep_routing(shape, L, M, seed)
     x = torch.randn(M, H, device=device(), dtype=dtype, generator=gen)
@@ -86,27 +87,19 @@ def _cases(shape, L, rank, M, seed, dtype, gen, weights):
     }
 
 
-def run_eager(args) -> list[dict]:
-    from tqdm.auto import tqdm
-
-    from .bench_layer import layer_lora_weights
-    from .config import MoEShape
-    from .profile.timing import provenance, time_cuda
-
+def run(args) -> list[dict]:
     dtype = getattr(torch, args.dtype)
-    prov = provenance(args.command)
-    gen = torch.Generator(device=device()).manual_seed(args.seed)
+    prov = timing.provenance(args.command)
+    gen = seeded_generator(args.seed)
     rows = []
     cases = [(p, r, m) for p in args.presets for r in args.ranks for m in args.tokens]
-    for preset, rank, M in tqdm(cases, desc="eager", unit="case"):
+    for preset, rank, M in progress(cases, desc="eager", unit="case"):
         shape = MoEShape.from_name(preset)
-        E, H, I = shape.num_experts, shape.hidden, shape.intermediate
-        rnd = lambda *s, fan: torch.randn(*s, device=device(), generator=gen, dtype=dtype) / fan ** 0.5
-        weights = dict(w13=rnd(E, 2 * I, H, fan=H), w2=rnd(E, H, I, fan=I),
-                       **layer_lora_weights(shape, args.loras, rank, gen, dtype))
+        w13, w2 = base_weights(shape, gen, dtype)
+        weights = dict(w13=w13, w2=w2, **layer_lora_weights(shape, args.loras, rank, gen, dtype))
         fns = _cases(shape, args.loras, rank, M, args.seed, dtype, gen, weights)
         for (what, way), fn in fns.items():
-            graph = time_cuda(fn).median_us
+            graph = timing.time_cuda(fn).median_us
             rows.append(dict(preset=preset, what=what, way=way, M=M, rank=rank, loras=args.loras, dtype=args.dtype,
                              eager_us=round(eager_us(fn, args.calls), 2), syncs=syncs_per_call(fn),
                              graph_us=round(graph, 2), calls=args.calls, **prov))

@@ -1,0 +1,51 @@
+"""Benchmarks of the LoRA op and the MoE layer on a CUDA GPU, each written to a CSV with provenance.
+
+``python -m moelora_lab.bench <subcommand> [--out DIR] ...``: the subcommands are the modules in
+``SUBCOMMANDS``; each one adds its parser (``add_parser(sub)``), measures (``run(args)`` -> rows),
+and may draw plots from its rows (``save_plots(rows, args)`` -> paths). This module writes the CSV
+``<out>/<name>.csv`` and records the command (:func:`moelora_lab.bench.common.command_line`) in
+every row. Only ``__main__`` imports it.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from ..results import write_csv
+from . import (align_sweep, common, eager_sweep, gemm_sweep, kernels_sweep, layer_sweep, layout_sweep,
+               registers_sweep, tune_sweep)
+
+# in the order --help lists them
+SUBCOMMANDS = {m.NAME: m for m in (kernels_sweep, registers_sweep, layer_sweep, align_sweep, gemm_sweep,
+                                   eager_sweep, tune_sweep, layout_sweep)}
+
+
+def parse_args(argv) -> argparse.Namespace:
+    """The parsed subcommand and its arguments, with ``argv`` and the recorded ``command``."""
+    p = argparse.ArgumentParser(prog=common.PROG, description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="what", required=True)
+    for module in SUBCOMMANDS.values():
+        module.add_parser(sub)
+    args = p.parse_args(argv)
+    args.argv = list(argv)
+    args.command = common.command_line(argv)
+    return args
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if not torch.cuda.is_available() and common.DEVICE == "cuda":
+        print("the benchmark times CUDA kernels and needs a GPU; on the CPU, read the committed CSVs under "
+              f"{common.DEFAULT_OUT} (the notebooks plot them)", file=sys.stderr)
+        return 2
+    module = SUBCOMMANDS[args.what]
+    rows = module.run(args)
+    csv_path = args.out / f"{args.name}.csv"
+    write_csv(rows, csv_path)
+    print(f"wrote {csv_path} ({len(rows)} rows)", file=sys.stderr)
+    for png in getattr(module, "save_plots", lambda rows, args: [])(rows, args):
+        print(f"wrote {png}", file=sys.stderr)
+    return 0

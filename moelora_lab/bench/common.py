@@ -1,0 +1,92 @@
+"""What the benchmark subcommands share: the device they run on, their seeded tensors and routing,
+the arguments every sweep takes, and the command line recorded with the data.
+
+Shape legend: M tokens, E experts, k top-k, L adapters, r rank, H hidden, I expert intermediate.
+"""
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import torch
+
+from ..config import MoEShape, make_routing
+from ..results import DATA_DIR as DEFAULT_OUT
+
+DEVICE = "cuda"   # the benchmarks run on CUDA; tests point this at the CPU to run the pipeline end to end
+PROG = "python -m moelora_lab.bench"
+
+
+def device() -> str:
+    """Where the benchmarks put their tensors (``DEVICE``, read at each call)."""
+    return DEVICE
+
+
+def seeded_generator(seed: int) -> torch.Generator:
+    """A generator on the benchmark's device: tensors are drawn where they live."""
+    return torch.Generator(device=device()).manual_seed(seed)
+
+
+def sweep_routing(shape: MoEShape, num_loras: int, M: int, seed: int):
+    """(topk_ids [M, k], topk_weights [M, k], token_lora [M]) of the benchmarks' M tokens on the device:
+    min(M, 8) sequences, seed + M (:func:`moelora_lab.config.make_routing`)."""
+    r = make_routing(shape, num_loras, M, seed=seed + M, num_sequences=min(M, 8))
+    return tuple(r[n].to(device()) for n in ("topk_ids", "topk_weights", "token_lora"))
+
+
+def base_weights(shape: MoEShape, gen: torch.Generator, dtype: torch.dtype):
+    """Random base weights w13 [E, 2I, H] ~ N(0, 1/H) and w2 [E, H, I] ~ N(0, 1/I), drawn on the device."""
+    E, H, I = shape.num_experts, shape.hidden, shape.intermediate
+    w13 = torch.randn(E, 2 * I, H, device=device(), generator=gen, dtype=dtype) / H ** 0.5
+    w2 = torch.randn(E, H, I, device=device(), generator=gen, dtype=dtype) / I ** 0.5
+    return w13, w2
+
+
+def grouped_mm_fns(x, h, topk_ids, w13, w2):
+    """The w13 and w2 base GEMMs through torch._grouped_mm on rows pre-grouped by expert (grouping
+    not timed): two callables. x [M, H], h [M*k, I], topk_ids [M, k]."""
+    k = topk_ids.shape[1]
+    experts = topk_ids.reshape(-1).long()
+    order = torch.sort(experts, stable=True).indices
+    xs, hs = x[order // k].contiguous(), h[order].contiguous()
+    offs = torch.cumsum(torch.bincount(experts, minlength=w13.shape[0]), 0).to(torch.int32)
+    b13, b2 = w13.transpose(1, 2), w2.transpose(1, 2)
+    return lambda: torch._grouped_mm(xs, b13, offs=offs), lambda: torch._grouped_mm(hs, b2, offs=offs)
+
+
+def progress(iterable=None, **kw):
+    """A progress bar on stderr (or in the notebook)."""
+    from tqdm.auto import tqdm     # imported here: tqdm.auto pulls in IPython where it is installed
+    return tqdm(iterable, **kw)
+
+
+def sweep_parser(sub, what: str, help: str, *, name: str, tokens, presets=("qwen3-30b-a3b",), ranks=None,
+                 dtype: bool = True, max_seconds: bool = False):
+    """A subcommand with the arguments every sweep shares (ranks, dtype, time budget optional)."""
+    p = sub.add_parser(what, help=help)
+    p.add_argument("--presets", nargs="+", default=list(presets))
+    p.add_argument("--tokens", nargs="+", type=int, default=list(tokens))
+    if ranks is not None:
+        p.add_argument("--ranks", nargs="+", type=int, default=list(ranks))
+    p.add_argument("--loras", type=int, default=4)
+    if dtype:
+        p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    p.add_argument("--seed", type=int, default=0)
+    if max_seconds:
+        p.add_argument("--max-seconds", type=float, default=1e9, help="stop starting new cases after this long")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--name", default=name, help="file stem of the CSV and plots")
+    return p
+
+
+def command_line(argv) -> str:
+    """The command that reproduces a run, as recorded in its data (``--out`` is where it was written,
+    not how it was measured, and is left out)."""
+    kept, argv = [], list(argv)
+    while argv:
+        a = argv.pop(0)
+        if a == "--out":
+            argv.pop(0)
+        elif not a.startswith("--out="):
+            kept.append(a)
+    return f"{PROG} " + " ".join(shlex.quote(a) for a in kept)
