@@ -45,7 +45,7 @@ def test_kernels_and_align_pipeline(cpu_bench, tmp_path):
 def test_layer_pipeline(cpu_bench, tmp_path):
     with pytest.warns(RuntimeWarning, match="on the CPU the layer runs sequentially"):   # the dual_stream rows
         assert cli.main(["layer", "--presets", "tiny", "--tokens", "3", "--ranks", "8", "--dtype", "float32",
-                           "--trace-tokens", "3", "--trace-ranks", "8", "--out", str(tmp_path)]) == 0
+                           "--trace-tokens", "3", "--trace-ranks", "8", "--trace-events", "--out", str(tmp_path)]) == 0
     rows = read_csv(tmp_path / "layer.csv")
     timed = {r["variant"] for r in rows if r["us_median"] != ""}
     assert {"no_lora", "sequential", "dual_stream", "fused", "auto", "sequential_vllm_join",
@@ -57,6 +57,7 @@ def test_layer_pipeline(cpu_bench, tmp_path):
     assert {r["side_priority"] for r in rows if r["schedule"] != "dual_stream"} == {""}   # CPU: no side stream
     assert all(r["roofline_us"] >= r["floor_us"] > 0 for r in rows) and (tmp_path / "layer_tiny.png").exists()
     assert not (tmp_path / "layer_traces.json").exists()      # timelines need CUDA events: none on the CPU
+    assert not list(tmp_path.glob("*.trace.json"))
 
 
 def test_gemm_tile_grid_pipeline(cpu_bench, tmp_path, monkeypatch):

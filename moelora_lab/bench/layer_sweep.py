@@ -31,6 +31,7 @@ from ..layer import SIDE_PRIORITIES, fused_fits, moe_lora_layer, plan_layer, res
 from ..moe import gemm_tiles, moe_gemm
 from ..profile import timing
 from ..profile.timeline import capture_timeline, overlap_metrics, save_traces
+from ..profile.trace_events import export_trace_files
 from ..profile.traffic import count_workload, layer_traffic
 from .common import base_weights, device, grouped_mm_fns, progress, seeded_generator, sweep_parser, sweep_routing
 
@@ -47,6 +48,9 @@ def add_parser(sub):
     y.add_argument("--trace-tokens", nargs="+", type=int, default=[1, 16, 128, 512, 2048, 8192])
     y.add_argument("--trace-ranks", nargs="+", type=int, default=[16, 64])
     y.add_argument("--side-priority", choices=SIDE_PRIORITIES, default=SIDE_PRIORITIES[0])
+    y.add_argument("--trace-events", action="store_true",
+                   help="also write the timelines as Chrome trace-event JSON (<out>/<name>_traces.trace.json, one "
+                        "process per case) for Perfetto or chrome://tracing")
 
 
 def run_layer(args) -> tuple[list[dict], dict]:
@@ -148,6 +152,8 @@ def run(args) -> list[dict]:
     if traces:
         args.out.mkdir(parents=True, exist_ok=True)
         save_traces(traces, args.out / f"{args.name}_traces.json")
+        if args.trace_events:
+            export_trace_files(traces, args.out, combined=True, stem=f"{args.name}_traces")
     return rows
 
 
