@@ -169,6 +169,13 @@ def make_routing(shape: MoEShape, num_loras: int, num_tokens: int, *, seed: int 
                 token_lora=seq_lora[seq_of_token].to(torch.int32))
 
 
+def benchmark_routing(shape, num_loras: int, num_tokens: int, seed: int = 0) -> dict:
+    """The routing every benchmark of ``python -m moelora_lab.bench`` draws for M tokens (and the
+    byte model uses to match its data): ``make_routing`` with seed ``seed + M`` and the tokens in
+    min(M, 8) sequences, each sequence with one adapter."""
+    return make_routing(shape, num_loras, num_tokens, seed=seed + num_tokens, num_sequences=min(num_tokens, 8))
+
+
 def _lora_pair(gen, num_loras, num_experts, rank, k_in, n_out, ranks, dtype, device):
     """A [L, E, r, K] ~ N(0, 1/K) and B [L, E, N, r] ~ N(0, 1/r); rows/cols past an adapter's rank are 0."""
     a = torch.randn(num_loras, num_experts, rank, k_in, generator=gen) / math.sqrt(k_in)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import MoEShape, make_routing
+from ..config import MoEShape, benchmark_routing
 from ..results import DATA_DIR as DEFAULT_OUT
 
 DEVICE = "cuda"   # the benchmarks run on CUDA; tests point this at the CPU to run the pipeline end to end
@@ -29,8 +29,8 @@ def seeded_generator(seed: int) -> torch.Generator:
 
 def sweep_routing(shape: MoEShape, num_loras: int, M: int, seed: int):
     """(topk_ids [M, k], topk_weights [M, k], token_lora [M]) of the benchmarks' M tokens on the device:
-    min(M, 8) sequences, seed + M (:func:`moelora_lab.config.make_routing`)."""
-    r = make_routing(shape, num_loras, M, seed=seed + M, num_sequences=min(M, 8))
+    min(M, 8) sequences, seed + M (:func:`moelora_lab.config.benchmark_routing`)."""
+    r = benchmark_routing(shape, num_loras, M, seed)
     return tuple(r[n].to(device()) for n in ("topk_ids", "topk_weights", "token_lora"))
 
 

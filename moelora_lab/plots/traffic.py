@@ -17,8 +17,9 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from ..validate import check_choice, check_int, check_rows
-from ..config import MoEShape, make_routing
-from ..profile.traffic import LORA_PATHS, Traffic, Workload, count_workload, lora_op_traffic
+from ..config import MoEShape
+from ..profile.timeline import bench_workload
+from ..profile.traffic import LORA_PATHS, Traffic, Workload, lora_op_traffic
 from .bench import PATH_STYLE, check_ax, select, tokens_axis
 
 OPS = ("w13", "w2")
@@ -62,11 +63,10 @@ def op_dims(shape, op: str) -> dict:
 
 def sweep_workload(shape, num_tokens: int, num_loras: int = 4, seed: int = 0) -> Workload:
     """The counted workload of the H200 sweep's routing for M tokens (``python -m moelora_lab.bench``:
-    ``make_routing(shape, L, M, seed=seed + M, num_sequences=min(M, 8))``), so bytes match its CSV."""
+    :func:`moelora_lab.config.benchmark_routing`), so bytes match its CSV."""
     shape = _shape(shape)
     m = check_int("num_tokens", num_tokens, low=1)
-    r = make_routing(shape, num_loras, m, seed=seed + m, num_sequences=min(m, 8))
-    return count_workload(r["topk_ids"], r["token_lora"], shape.num_experts, num_loras)
+    return bench_workload(shape, m, num_loras, seed)
 
 
 def traffic_table(shape, rank: int, op: str, tokens, *, num_loras: int = 4, paths=("two_kernel", "one_shot"),

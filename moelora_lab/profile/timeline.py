@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import MoEShape, make_routing
+from ..config import MoEShape, benchmark_routing
 from ..dispatch import gpu_config
 from ..moe import fused_columns, gpu_gemm_tiles
 from .traffic import Traffic, count_workload, layer_traffic
@@ -129,7 +129,7 @@ def save_traces(traces: dict, path) -> None:
 def bench_workload(shape: MoEShape, num_tokens: int, num_loras: int, seed: int = 0):
     """The counted ``Workload`` of the benchmarks' routing of M tokens: ``make_routing`` with
     ``seed + M`` and ``min(M, 8)`` sequences (as ``python -m moelora_lab.bench`` draws it); cached."""
-    r = make_routing(shape, num_loras, num_tokens, seed=seed + num_tokens, num_sequences=min(num_tokens, 8))
+    r = benchmark_routing(shape, num_loras, num_tokens, seed)
     return count_workload(r["topk_ids"], r["token_lora"], shape.num_experts, num_loras)
 
 
