@@ -16,31 +16,20 @@ from moelora_lab.plots.design import (TILE_FIELDS, draw_base_and_plan, draw_grou
                                       layout_speedups, lora_rule_table, path_choice_table, tile_name)
 from moelora_lab.plots.traffic import sweep_workload  # noqa: E402
 from moelora_lab.profile.traffic import Traffic  # noqa: E402
+from utils import join_rows  # noqa: E402
 
 SHAPE = MoEShape(64, 32, 8, 2, "t")
 QWEN = MoEShape.from_name("qwen3-30b-a3b")
 
 
-def rows():
-    out = []
-    for M, seq, vjoin in ((1, 10.0, 11.0), (16, 20.0, 20.0), (256, 100.0, 130.0)):
-        for variant, t in (("sequential", seq), ("sequential_vllm_join", vjoin), ("dual_stream", seq - 1),
-                           ("dual_stream_vllm_join", vjoin - 2)):
-            out.append(dict(preset="p", M=M, rank=16, variant=variant, us_median=t, us_p20=t, us_p80=t))
-    out.append(dict(preset="p", M=512, rank=16, variant="sequential", us_median=5.0, us_p20=5.0, us_p80=5.0))
-    out.append(dict(preset="p", M=512, rank=16, variant="sequential_vllm_join", us_median="", us_p20="",
-                    us_p80=""))
-    return out
-
-
 def test_join_savings():
-    s = join_savings(rows(), preset="p", rank=16)
+    s = join_savings(join_rows(), preset="p", rank=16)
     assert [(r["M"], r["saved_us"]) for r in s] == [(1, 1.0), (16, 0.0), (256, 30.0)]
     assert s[2]["saved"] == pytest.approx(30 / 130)
-    assert [r["saved_us"] for r in join_savings(rows(), preset="p", rank=16, schedule="dual_stream")] == [
+    assert [r["saved_us"] for r in join_savings(join_rows(), preset="p", rank=16, schedule="dual_stream")] == [
         0.0, -1.0, 29.0]
     with pytest.raises(ValueError, match="schedule: 'auto'"):
-        join_savings(rows(), preset="p", rank=16, schedule="auto")
+        join_savings(join_rows(), preset="p", rank=16, schedule="auto")
 
 
 def test_join_traffic_by_hand():
@@ -61,7 +50,7 @@ def test_join_traffic_by_hand():
 
 def test_draw_join_savings():
     ax = Figure().add_subplot()
-    draw_join_savings(ax, rows(), preset="p", ranks=[16], predicted=[(1, 0.5), (256, 25.0)])
+    draw_join_savings(ax, join_rows(), preset="p", ranks=[16], predicted=[(1, 0.5), (256, 25.0)])
     lines = {line.get_label(): line for line in ax.get_lines()}
     seq = lines["r=16, one stream"]
     assert list(seq.get_xdata()) == [1, 16, 256]
@@ -72,7 +61,7 @@ def test_draw_join_savings():
     assert ax.get_yscale() == "log" and "µs" in ax.get_ylabel()
     assert ax.get_legend().get_texts()[0].get_fontsize() >= 9
     ax = Figure().add_subplot()
-    draw_join_savings(ax, rows(), preset="p", ranks=[16], share=True)
+    draw_join_savings(ax, join_rows(), preset="p", ranks=[16], share=True)
     two = {line.get_label(): line for line in ax.get_lines()}["r=16, two streams"]
     assert list(two.get_xdata()) == [1, 16, 256]                                          # negative kept
     assert list(two.get_ydata()) == pytest.approx([0.0, -100 / 18, 100 * 29 / 128])

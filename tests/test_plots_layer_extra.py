@@ -10,6 +10,7 @@ from moelora_lab import MoEShape  # noqa: E402
 from moelora_lab.plots.layer import (data_label, draw_timelines, overlap_table, stage_pair_bytes, trace_name,  # noqa: E402
                                      trace_phases, variant_table)
 from moelora_lab.profile.traffic import Workload, layer_traffic  # noqa: E402
+from utils import join_rows  # noqa: E402
 from test_timeline import REC  # noqa: E402
 
 SHAPE = MoEShape(64, 32, 8, 2, "t")
@@ -95,18 +96,6 @@ def test_draw_timelines_share_axis_and_floor():
         draw_timelines(axes[:1], [SEQ])
 
 
-def rows():
-    out = []
-    for M, seq, vjoin in ((1, 10.0, 11.0), (16, 20.0, 20.0), (256, 100.0, 130.0)):
-        for variant, t in (("sequential", seq), ("sequential_vllm_join", vjoin), ("dual_stream", seq - 1),
-                           ("dual_stream_vllm_join", vjoin - 2)):
-            out.append(dict(preset="p", M=M, rank=16, variant=variant, us_median=t, us_p20=t, us_p80=t))
-    out.append(dict(preset="p", M=512, rank=16, variant="sequential", us_median=5.0, us_p20=5.0, us_p80=5.0))
-    out.append(dict(preset="p", M=512, rank=16, variant="sequential_vllm_join", us_median="", us_p20="",
-                    us_p80=""))
-    return out
-
-
 def test_variant_table():
-    t = variant_table(rows(), preset="p", rank=16, variants=("sequential", "sequential_vllm_join"))
+    t = variant_table(join_rows(), preset="p", rank=16, variants=("sequential", "sequential_vllm_join"))
     assert [r["M"] for r in t] == [1, 16, 256]          # M=512: the vLLM-join row was not timed

@@ -25,3 +25,17 @@ def lora_case(M, *, hidden=48, inter=40, experts=8, top_k=2, loras=3, rank=8, dt
     shape = MoEShape(hidden, inter, experts, top_k, "test")
     return make_problem(shape, LoRAShape(loras, rank), M, dtype=dtype, device=device, seed=seed,
                         with_base=False, **kw)
+
+
+def join_rows():
+    """Layer rows of a made-up preset "p" at rank 16: both joins on one and two streams at M = 1, 16, 256,
+    and at M = 512 a one-stream row whose vLLM-join partner was not timed (empty fields)."""
+    out = []
+    for M, seq, vjoin in ((1, 10.0, 11.0), (16, 20.0, 20.0), (256, 100.0, 130.0)):
+        for variant, t in (("sequential", seq), ("sequential_vllm_join", vjoin), ("dual_stream", seq - 1),
+                           ("dual_stream_vllm_join", vjoin - 2)):
+            out.append(dict(preset="p", M=M, rank=16, variant=variant, us_median=t, us_p20=t, us_p80=t))
+    out.append(dict(preset="p", M=512, rank=16, variant="sequential", us_median=5.0, us_p20=5.0, us_p80=5.0))
+    out.append(dict(preset="p", M=512, rank=16, variant="sequential_vllm_join", us_median="", us_p20="",
+                    us_p80=""))
+    return out
