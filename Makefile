@@ -4,6 +4,8 @@
 #   make lab            -> JupyterLab on notebooks/   (make lab PORT=8890 LAB_ARGS=--no-browser)
 #   make test           -> pytest on tests/ and the notebooks (nbval, lax mode)
 #   make test-triton36  -> the kernel tests again under triton 3.6.0 (its own venv, .venv-triton36/)
+#   make test-browser   -> every notebook in JupyterLab in headless Chromium: run all, move every explorer's
+#                          controls, check what the page shows (installs Debian chromium if missing)
 #   make notebooks      -> re-execute every notebook in place (outputs refreshed, volatile metadata dropped)
 #   make clean          -> remove the venvs
 SHELL := /bin/bash
@@ -28,8 +30,13 @@ NOTEBOOKS  := $(wildcard notebooks/*.ipynb)
 KERNEL_TESTS := tests/test_ops.py tests/test_layer.py tests/test_moe.py tests/test_align.py tests/test_validate.py \
                 tests/test_paths.py tests/test_streams.py tests/test_properties.py tests/test_compile.py
 
+# `make test-browser`: Debian's chromium and chromium-driver (apt-get, as root or through sudo; selenium
+# comes with the venv); BROWSER_NOTEBOOKS picks notebooks (default: all of notebooks/).
+SUDO              := $(if $(filter 0,$(shell id -u)),,sudo)
+BROWSER_NOTEBOOKS ?=
+
 .DEFAULT_GOAL := test
-.PHONY: venv lab test test-triton36 notebooks clean check-python
+.PHONY: venv lab test test-triton36 test-browser notebooks clean check-python
 
 check-python:
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { \
@@ -72,6 +79,13 @@ $(VENV36)/.installed: pyproject.toml requirements-cpu.txt | check-python
 
 test-triton36: $(VENV36)/.installed
 	env -u MPLBACKEND $(VENV36)/bin/python -m pytest $(KERNEL_TESTS) -p no:cacheprovider $(PYTEST_ARGS)
+
+test-browser: $(STAMP)
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
+	  echo "test-browser: installing Debian's chromium and chromium-driver"; \
+	  $(SUDO) apt-get update -qq && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; }
+	env -u MPLBACKEND $(VPY) scripts/browser_test.py $(BROWSER_NOTEBOOKS)
 
 notebooks: $(STAMP)
 	@if [ -z "$(NOTEBOOKS)" ]; then echo "no notebooks/*.ipynb"; exit 0; fi

@@ -22,8 +22,39 @@ def test_volatile_parts_are_dropped():
     assert "widgets" not in out["metadata"]
     assert out["metadata"]["kernelspec"]["display_name"] == "Python 3 (ipykernel)"
     assert out["cells"][0]["metadata"] == {}
-    assert out["cells"][0]["outputs"][0]["data"] == {"text/plain": ["HBox(...)"]}
+    assert out["cells"][0]["outputs"][0]["data"] == {"text/plain": [normalize_notebooks.HINT]}
     assert normalize_notebooks.normalize(copy.deepcopy(out)) == out
+
+
+@pytest.mark.parametrize("text, kept", [
+    (["HBox(children=(VBox(children=(SelectionSlider(continuous_update=False, description='tokens M'…"], False),
+    ("Output()", False),
+    ("Dropdown(description='preset', options=('a', 'b'), value='a')", False),
+    (["Explorer (tokens M, rank r): run this cell to get the controls and the figure."], True),
+])
+def test_widget_reprs_become_a_hint_and_an_explorer_keeps_its_own(text, kept):
+    out = {"output_type": "display_data", "metadata": {},
+           "data": {"application/vnd.jupyter.widget-view+json": {"model_id": "3f2a"}, "text/plain": text}}
+    nb = normalize_notebooks.normalize({"metadata": {}, "cells": [{"cell_type": "code", "outputs": [out]}]})
+    assert nb["cells"][0]["outputs"][0]["data"] == {"text/plain": text if kept else [normalize_notebooks.HINT]}
+
+
+def test_outputs_without_a_widget_view_are_left_alone():
+    text = {"text/plain": ["Output()"]}                  # printed by a cell, not a widget: not ours to change
+    nb = normalize_notebooks.normalize({"metadata": {}, "cells": [{"cell_type": "code", "outputs": [
+        {"output_type": "execute_result", "metadata": {}, "data": dict(text)}]}]})
+    assert nb["cells"][0]["outputs"][0]["data"] == text
+
+
+def test_written_as_jupyterlab_writes_it(tmp_path):
+    # one-space indent, characters as they are, a final newline: what JupyterLab saves, byte for byte
+    nb = {"cells": [{"cell_type": "markdown", "id": "a1", "metadata": {}, "source": ["µs · L·r"]}],
+          "metadata": {"kernelspec": dict(normalize_notebooks.KERNELSPEC)}, "nbformat": 4, "nbformat_minor": 5}
+    path = tmp_path / "x.ipynb"
+    path.write_text(json.dumps(nb))
+    normalize_notebooks.main([str(path)])
+    assert path.read_text() == json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
+    assert "µs · L·r" in path.read_text() and path.read_text().startswith('{\n "cells": [\n  {\n   "cell_type"')
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
