@@ -218,3 +218,34 @@ def test_import_graph_without_a_cycle(tmp_path):
     g = import_graph(tmp_path, "pkg")
     assert g["pkg.a"] == {"pkg.b"} and g["pkg.b"] == {"pkg.c"} and find_cycles(g) == []
     assert _chain(reachable(g, "pkg.a"), "pkg.a", "pkg.c") == "pkg.a -> pkg.b -> pkg.c"
+
+
+def test_notebooks_import_only_existing_public_names():
+    """Every ``import`` in the notebooks' code cells (inside functions too, e.g. a GPU-only branch that
+    CI never runs) names a module and attribute that exist, and none reaches into the benchmark."""
+    import ast as _ast
+    import importlib.util
+    import json as _json
+
+    root = Path(__file__).resolve().parent.parent
+    for nb in sorted((root / "notebooks").glob("*.ipynb")):
+        for i, cell in enumerate(_json.loads(nb.read_text())["cells"]):
+            if cell["cell_type"] != "code":
+                continue
+            src = "\n".join(line for line in "".join(cell["source"]).splitlines()
+                            if not line.lstrip().startswith(("%", "!")))
+            for node in _ast.walk(_ast.parse(src)):
+                if isinstance(node, _ast.Import):
+                    pairs = [(a.name, None) for a in node.names]
+                elif isinstance(node, _ast.ImportFrom):
+                    pairs = [(node.module, a.name) for a in node.names]
+                else:
+                    continue
+                for module, name in pairs:
+                    where = f"{nb.name} cell {i}: {module}" + (f".{name}" if name else "")
+                    if not module.startswith("moelora_lab"):
+                        continue
+                    assert not module.startswith("moelora_lab.bench"), f"{where}: notebooks use public helpers"
+                    mod = importlib.import_module(module)
+                    assert name is None or hasattr(mod, name) or importlib.util.find_spec(f"{module}.{name}"), \
+                        f"{where} does not exist"
