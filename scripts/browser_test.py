@@ -33,6 +33,7 @@ try:
     from selenium.common.exceptions import WebDriverException
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support.ui import Select
 except ImportError:                          # the checks on snapshots below are tested without a browser
@@ -242,6 +243,46 @@ def problems(snap: dict, before: dict) -> list[str]:
     return found
 
 
+PLOT_RANGES_JS = "const g = arguments[0]._fullLayout; return [g.xaxis.range, g.yaxis.range];"
+
+
+def check_interactive(d, area) -> tuple[list[str], str]:
+    """An interactive (plotly) view: hovering a bar shows its details with bytes and bandwidth, and a
+    drag zooms along time only."""
+    plots = area.find_elements(By.CSS_SELECTOR, ".js-plotly-plot")
+    if not plots:
+        return [], ""
+    plot, failures = plots[0], []
+    d.execute_script("arguments[0].scrollIntoView({block: 'center'})", plot)
+    bars = plot.find_elements(By.CSS_SELECTOR, "g.trace.bars path")
+    if not bars:
+        return ["the interactive view draws no bars"], ""
+    ActionChains(d).move_to_element(bars[len(bars) // 2]).perform()
+    try:
+        hover = wait("a hover label", lambda: " | ".join(h.text.replace("\n", " ") for h in
+                                                         plot.find_elements(By.CSS_SELECTOR, "g.hovertext")) or None,
+                     10, 0.3)
+        failures += [f"the hover label lacks {w!r}: {hover[:120]!r}" for w in ("duration", "TB/s") if w not in hover]
+    except TimeoutError:
+        failures.append("hovering a bar shows no label")
+    (x0, y0) = d.execute_script(PLOT_RANGES_JS, plot)
+    drag = plot.find_element(By.CSS_SELECTOR, "rect.nsewdrag")
+    w = drag.size["width"]
+    ActionChains(d).move_to_element_with_offset(drag, -w // 2 + 30, 0).click_and_hold() \
+        .move_by_offset(w // 4, 5).release().perform()
+    try:
+        (x1, y1) = wait("the time axis to zoom", lambda: (r := d.execute_script(PLOT_RANGES_JS, plot))[0] != x0 and r,
+                        10, 0.3)
+        if y1 != y0:
+            failures.append(f"zooming moved the rows too ({y0} -> {y1}); only time should zoom")
+        zoom = f"zoom {x0[0]:.0f}–{x0[1]:.0f} -> {x1[0]:.0f}–{x1[1]:.0f} µs"
+    except TimeoutError:
+        failures.append("dragging along time did not zoom")
+        zoom = "no zoom"
+    d.execute_script("Plotly.relayout(arguments[0], {'xaxis.autorange': true})", plot)
+    return failures, f"hover and {zoom}"
+
+
 def check_explorers(d) -> tuple[list[str], list[str]]:
     areas = [a for a in d.find_elements(By.CSS_SELECTOR, ".jp-CodeCell .jp-OutputArea") if controls_of(a)]
     failures, notes = [], []
@@ -264,10 +305,13 @@ def check_explorers(d) -> tuple[list[str], list[str]]:
             changed += 1
         if changed < 2:
             failures.append(f"explorer {n}: only {changed} control(s) could be changed")
+        found, checked = check_interactive(d, area)
+        failures += [f"explorer {n}, interactive view: {p}" for p in found]
         if os.environ.get("BROWSER_TEST_SHOTS"):
             area.screenshot(str(Path(os.environ["BROWSER_TEST_SHOTS"]) / f"{d.title.split()[0]}-{n}.png"))
         notes.append(f"explorer {n}: {changed} controls changed and changed back, {2 * changed} redraws, "
-                     f"{len(snap['imgs'])} figure(s) of {snap['imgs'][0]['w'] if snap['imgs'] else 0} px")
+                     f"{len(snap['imgs'])} figure(s) of {snap['imgs'][0]['w'] if snap['imgs'] else 0} px"
+                     + (f", interactive view: {checked}" if checked else ""))
     return failures, notes
 
 
