@@ -138,7 +138,8 @@ def run_layer(args) -> tuple[list[dict], dict]:
                     print(f"trace {preset} M={M} r={rank} {sched} failed: {exc}", file=sys.stderr)
                     continue
                 meta = dict(preset=preset, M=M, rank=rank, loras=L, schedule=sched, lora_path=pl.lora_path,
-                            floor_us=round(floors[True].floor_us(copy_bps), 2), **prov)
+                            floor_us=round(floors[True].floor_us(copy_bps), 2), copy_tbps=round(copy_bps / 1e12, 4),
+                            **prov)
                 traces[f"{preset}_M{M}_r{rank}_{sched}"] = dict(meta=meta, records=recs,
                                                                 metrics=overlap_metrics(recs))
         del lora

@@ -23,6 +23,7 @@ import json
 import math
 from pathlib import Path
 
+from .profiler import PREFIX, kineto_cases
 from .timeline import H200_SMS, STAGE_KINDS, achieved_gbps, stage_model
 
 PRODUCER = "moelora_lab.profile.trace_events"
@@ -228,6 +229,9 @@ def load_trace_events(path, *, categories="auto", lanes="auto", details: bool = 
     renames a case's one or two lanes, if neither is main or lora, to "main" (first to start) and
     "lora", noted in meta["lanes"] (new -> old); a dict old -> new; None: as read. details: records
     also carry cat and args. meta: as exported by this module, else source file, pid and labels.
+    A ``torch.profiler`` trace of the layer run with ``profile.profiler.Annotator`` (its stages marked)
+    is read by stage instead: one record per stage and stream, each kernel tied to its stage (see
+    ``profile.profiler.kineto_cases``), and the kernels under "kernels".
     """
     if not (lanes in (None, "auto") or isinstance(lanes, dict)):
         raise TypeError(f"lanes: expected 'auto', None or a dict old name -> new name, got {lanes!r}")
@@ -235,6 +239,13 @@ def load_trace_events(path, *, categories="auto", lanes="auto", details: bool = 
         raise TypeError(f"categories: expected 'auto', None, a cat or a collection of cats, got {categories!r}")
     path = Path(path)
     events, other = _read(path)
+    if any(isinstance(e, dict) and e.get("cat") == "gpu_user_annotation" and str(e.get("name", "")).startswith(
+            PREFIX + ":") for e in events):
+        cases = kineto_cases(events)
+        if cases:
+            return {f"{path.stem} pid {pid}" if len(cases) > 1 else path.stem:
+                    dict(meta=dict(source=path.name, pid=pid, profiler="torch.profiler"), **case)
+                    for pid, case in cases.items()}
     procs, labels, threads = {}, {}, {}
     for e in events:
         if not (isinstance(e, dict) and e.get("ph") == "M" and isinstance(e.get("args"), dict)):
