@@ -229,3 +229,39 @@ def test_package_imports_without_loading_plotly():
             "print('plotly' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_trace_file_figure_reads_exports_and_profiler_files(tmp_path):
+    """A file the lab wrote comes back with bytes in the hover; a raw torch.profiler export by stage."""
+    from pathlib import Path
+
+    from moelora_lab.plots.timeline_interactive import trace_file_figure
+    from moelora_lab.profile.trace_events import save_trace_events
+    from moelora_lab.results import load_traces
+
+    profiled = load_traces("layer_profiler_traces")
+    case = {k: v for k, v in profiled.items() if "_M2048_r16_" in k}
+    path = save_trace_events(tmp_path / "case.trace.json", case)
+    fig = trace_file_figure(path)
+    rows = {y for d in fig.data for y in d.y}
+    assert {r.split(": ")[0] for r in rows} == set(case)
+    assert any(r.endswith(": side") for r in rows if "dual_stream" in r)
+    assert not any(r.endswith(": side") for r in rows if "sequential" in r or "fused" in r)   # one stream, one row
+    hover = next(d for d in fig.data if d.name == "base_w13").hovertext[0]
+    assert "bytes moved" in hover and "TB/s" in hover
+    kineto = Path(__file__).parent / "data" / "kineto_layer_M16_r16_dual_stream.json"
+    fig = trace_file_figure(kineto)
+    assert "kernel: one_shot_kernel" in next(d for d in fig.data if d.name == "lora_w13").hovertext[0]
+    with pytest.raises(ValueError, match="not in"):
+        trace_file_figure(kineto, cases=["nope"])
+    with pytest.raises(ValueError, match="max_cases"):
+        trace_file_figure(kineto, max_cases=0)
+
+
+def test_kernel_label_shortens_profiler_names():
+    from moelora_lab.profile.profiler import kernel_label
+    fill = ("void at::native::vectorized_elementwise_kernel<8, at::native::FillFunctor<c10::BFloat16>, "
+            "std::array<char*, 1ul> >(int, at::native::FillFunctor<c10::BFloat16>, std::array<char*, 1ul>)")
+    assert kernel_label(fill) == "vectorized_elementwise_kernel [fill]"
+    assert kernel_label("at::cuda::(anonymous namespace)::spin_kernel(long)") == "spin_kernel"
+    assert kernel_label("one_shot_kernel") == "one_shot_kernel"

@@ -47,7 +47,7 @@ def _row(case: dict) -> dict:
                 lora_busy_us=side.get("busy_us", 0.0), overlap=m["overlap"],
                 side_wait_us=max(a["side_start_wait_us"], default=0.0),
                 max_end_diff_us=max(abs(s["end_diff_us"]) for s in a["stages"]), tolerance_us=a["tolerance_us"],
-                agrees=a["agrees"], floor_us=case["meta"]["floor_us"],
+                agrees=int(a["agrees"]), floor_us=case["meta"]["floor_us"],
                 **{k: case["meta"][k] for k in case["meta"] if k not in ("preset", "M", "rank", "loras", "schedule",
                                                                          "lora_path", "floor_us", "source")})
 

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from types import MappingProxyType
 
 from IPython.display import display
 
 from ..config import MoEShape
+from ..profile.profiler import kernel_label
 from ..profile.timeline import bench_workload, overlap_metrics, stage_model
 from ..profile.traffic import layer_traffic
 from ..results import label as provenance_label
@@ -159,9 +161,10 @@ def timeline_figure(cases, *, stage_bytes=None, copy_tbps=None, floor_us=None, t
             b["x"].append(dur)
             b["base"].append(start)
             b["y"].append(f"{name}: {lane}")
+            kernel = r.get("kernel") or ", ".join(map(kernel_label, r.get("kernels") or ())) or model.get("kernel")
+            args = dict(r.get("args") or {}, **({"kernel time": f"{r['busy_us']:.1f} µs"} if "busy_us" in r else {}))
             b["text"].append(hover_text(r["name"], f"{lane} ({name})", start, dur, model.get("bytes"), copy_tbps,
-                                        kernel=r.get("kernel") or model.get("kernel"), tiles=model.get("tiles"),
-                                        args=r.get("args")))
+                                        kernel=kernel, tiles=model.get("tiles"), args=args))
         marks.append((name, metrics["critical_path_us"], first, len(rows) - 1))
     fig = go.Figure()
     for stage, b in bars.items():                       # legend in the order the stages first ran
@@ -231,10 +234,40 @@ def case_figure(traces: Mapping, preset: str, M: int, rank: int, *, schedules=tu
             source = provenance_label(meta)
         except KeyError:
             source = "measured here"
-        title = f"{preset}, M = {M}, rank {rank}, {meta.get('loras', 4)} adapters<br><sup>{source}</sup>"
+        how = "torch.profiler (kernels)" if meta.get("source") == "torch.profiler" else "CUDA events (stages)"
+        title = f"{preset}, M = {M}, rank {rank}, {meta.get('loras', 4)} adapters, {how}<br><sup>{source}</sup>"
     cases = [(SCHEDULES[s][0], t["records"], SCHEDULES[s][1], stage_model(dict(t["meta"], schedule=s)))
              for s, t in chosen]
     return timeline_figure(cases, copy_tbps=copy_tbps, floor_us=meta.get("floor_us"), title=title)
+
+
+def trace_file_figure(path, *, cases=None, max_cases: int = 4, title: str | None = None):
+    """``timeline_figure`` of a trace-event file (``profile.trace_events.load_trace_events``: this lab's
+    exports, ``torch.profiler``'s, Perfetto's): the named ``cases`` (default: the first ``max_cases``),
+    two rows where a case has the lanes "main" and "lora", else one; bytes and tiles where a case's meta
+    is a benchmark's (``stage_model``)."""
+    from ..profile.timeline import MODEL_KEYS
+    from ..profile.trace_events import load_trace_events
+
+    traces = load_trace_events(path)
+    if cases is None:
+        if isinstance(max_cases, bool) or not isinstance(max_cases, int) or max_cases < 1:
+            raise ValueError(f"max_cases: expected a positive int, got {max_cases!r}")
+        cases = list(traces)[:max_cases]
+    missing = [c for c in ([cases] if isinstance(cases, str) else cases) if c not in traces]
+    if missing:
+        raise ValueError(f"cases: {missing} not in {path}; it holds {list(traces)}")
+    runs, rates = [], []
+    for case in [cases] if isinstance(cases, str) else cases:
+        t = traces[case]
+        lanes = {r["stream"] for r in t["records"]}
+        model = all(k in t["meta"] for k in MODEL_KEYS)
+        two = lanes <= set(LANE_ROWS) and len(lanes) == 2 and t["meta"].get("schedule") not in ("sequential", "fused")
+        runs.append((case, t["records"], 2 if two else 1,
+                     stage_model(t["meta"]) if model else {}))
+        rates.append(case_copy_tbps(t["meta"]) if model else None)
+    return timeline_figure(runs, copy_tbps=next((c for c in rates if c), None),
+                           title=title or f"{Path(path).name}: {len(runs)} of {len(traces)} case(s)")
 
 
 def _config() -> dict:
