@@ -2,7 +2,7 @@
 #   make                -> same as `make test`
 #   make venv           -> .venv/ with the pinned CPU set (requirements-cpu.txt) + this package
 #   make lab            -> JupyterLab on notebooks/   (make lab PORT=8890 LAB_ARGS=--no-browser)
-#   make test           -> pytest on tests/ and the notebooks (nbval, lax mode)
+#   make test           -> the exercises (solutions pass, stubs fail), then pytest on tests/ and the notebooks (nbval, lax mode)
 #   make test-triton36  -> the kernel tests again under triton 3.6.0 (its own venv, .venv-triton36/)
 #   make test-browser   -> every notebook in JupyterLab in headless Chromium: run all, move every explorer's
 #                          controls, check what the page shows (installs Debian chromium if missing)
@@ -28,7 +28,8 @@ PIP        := -m pip install --quiet --quiet --progress-bar off
 NOTEBOOKS  := $(wildcard notebooks/*.ipynb)
 # the kernel tests that run under the interpreter (the second triton version runs these)
 KERNEL_TESTS := tests/test_ops.py tests/test_layer.py tests/test_moe.py tests/test_align.py tests/test_validate.py \
-                tests/test_paths.py tests/test_streams.py tests/test_properties.py tests/test_compile.py
+                tests/test_paths.py tests/test_streams.py tests/test_properties.py tests/test_compile.py \
+                tests/test_exercises.py
 
 # `make test-browser`: Debian's chromium and chromium-driver (apt-get, as root or through sudo; selenium
 # comes with the venv); BROWSER_NOTEBOOKS picks notebooks (default: all of notebooks/).
@@ -62,6 +63,9 @@ lab: $(STAMP)
 # --nbval-lax only concerns .ipynb files: cells are run and must not raise;
 # outputs are compared only for cells marked `# NBVAL_CHECK_OUTPUT`.
 test: $(STAMP)
+	@echo "== exercises: every solution passes its check, every stub is rejected"
+	env -u MPLBACKEND $(VPY) -m moelora_lab.exercises check
+	env -u MPLBACKEND $(VPY) -m moelora_lab.exercises check --stubs
 	env -u MPLBACKEND $(VPY) -m pytest tests notebooks \
 	  --nbval-lax --nbval-current-env \
 	  --nbval-sanitize-with notebooks/nbval_sanitize.cfg \
@@ -78,6 +82,8 @@ $(VENV36)/.installed: pyproject.toml requirements-cpu.txt | check-python
 	@touch $@
 
 test-triton36: $(VENV36)/.installed
+	env -u MPLBACKEND $(VENV36)/bin/python -m moelora_lab.exercises check
+	env -u MPLBACKEND $(VENV36)/bin/python -m moelora_lab.exercises check --stubs
 	env -u MPLBACKEND $(VENV36)/bin/python -m pytest $(KERNEL_TESTS) -p no:cacheprovider $(PYTEST_ARGS)
 
 test-browser: $(STAMP)
