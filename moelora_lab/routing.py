@@ -26,8 +26,15 @@ from .validate import check_int, check_routing, check_tensor
 SPARSITY_FACTOR = 8  # naive assignment when pairs * 8 <= E * L (vLLM's rule)
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True):
-    """Softmax over experts, keep the top-k; returns (topk_weights [M, k] fp32, topk_ids [M, k] int32)."""
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True, *, cast_weights: bool = False):
+    """Softmax over experts in fp32, keep the top-k, optionally divide them by their sum; returns
+    (topk_weights [M, k], topk_ids [M, k] int32).
+
+    The weights stay fp32, as vLLM keeps them; ``cast_weights=True`` casts them to the logits' dtype
+    after the renormalization, as transformers' Qwen3-MoE router does (with ``renormalize`` =
+    the config's ``norm_topk_prob``, False by default there, True in the released Qwen3-MoE models):
+    the weights and ids are then exactly HF's. In bf16 the cast rounds each weight to 8 bits of
+    mantissa, so the two conventions differ by up to about 0.4% per weight."""
     check_tensor("router_logits", router_logits, ndim=2, legend="[M, E]",
                  dtypes=(torch.float32, torch.float16, torch.bfloat16))
     check_int("top_k", top_k, low=1, high=router_logits.shape[1])
@@ -35,6 +42,8 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True):
     weights, ids = torch.topk(probs, top_k, dim=-1)       # [M, k], largest first
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    if cast_weights:
+        weights = weights.to(router_logits.dtype)
     return weights, ids.to(torch.int32)
 
 

@@ -8,7 +8,7 @@ import random
 
 import torch
 
-from .core import Exercise, NotDone, Result, predict_result, register
+from .core import Exercise, Result, predict_result, register
 
 NB = "01_routing"
 
