@@ -1,9 +1,11 @@
 """Launcher of the device-side routing metadata (``kernels/align.py``).
 
 ``block_list_device`` returns exactly what :func:`moelora_lab.routing.block_list` returns (the
-PyTorch version, kept as the readable spec) in four small kernel launches instead of ~20 tensor ops.
+PyTorch version, kept as the readable spec); ``make_block_lists`` builds several lists from one
+routing (a layer's base and LoRA lists) in the same launches: one launch while the pairs fit one
+program's registers (``SORT_MAX_PAIRS``), three beyond; never a fill or a cast.
 
-Shape legend: M tokens, k top-k, E experts, L adapters, n = M*k pairs, G = L*E groups.
+Shape legend: M tokens, k top-k, E experts, L adapters, n = M*k pairs, G groups of a list.
 """
 from __future__ import annotations
 
@@ -12,12 +14,13 @@ import triton
 
 from ._backend import INTERPRET, on_device
 from .blocks import BlockList, RoutingStamp
-from .kernels.align import count_kernel, scan_kernel, scatter_kernel, table_kernel
+from .kernels.align import count_kernel, place_kernel, scan_kernel, sort_kernel
 from .routing import block_tensors, max_blocks
 from .validate import check_int, check_routing
 
-SUB = 64           # pairs placed per step of the scatter (a [SUB, SUB] comparison finds ranks)
-MAX_CHUNKS = 32    # chunks of pairs counted and scattered in parallel
+SORT_MAX_PAIRS = 4096      # up to here one program per list sorts all pairs in registers (one launch)
+SUB = 128                  # beyond, pairs per chunk: one [SUB, SUB] comparison ranks them
+SCAN_TILE = 4096           # elements of one scan step ([chunks, groups] tile)
 
 
 def block_list_device(topk_ids: torch.Tensor, token_lora: torch.Tensor, num_experts: int, num_loras: int,
@@ -28,49 +31,80 @@ def block_list_device(topk_ids: torch.Tensor, token_lora: torch.Tensor, num_expe
     """
     check_int("block_size", block_size, low=1)
     check_routing(topk_ids, token_lora, num_experts, num_loras, values=validate)
-    tensors = _block_tensors_device(topk_ids, token_lora, num_experts, num_loras, block_size)
+    [tensors] = _block_tensors_device(topk_ids, token_lora, num_experts, [(num_loras, block_size)])
     return BlockList(*tensors, RoutingStamp.of(topk_ids, token_lora, num_experts, num_loras, block_size,
                                                values_checked=validate))
 
 
-def _block_tensors_device(topk_ids, token_lora, num_experts, num_loras, block_size):
-    """(sorted_pairs, block_lora, block_expert) by the four kernels, for checked shapes."""
+def _block_tensors_device(topk_ids, token_lora, num_experts: int, lists) -> list[tuple]:
+    """(sorted_pairs, block_lora, block_expert) of each list, for checked shapes. ``lists`` holds
+    (L, block size) per list, L = None for a list grouped by expert only."""
     M, k = topk_ids.shape
-    n, E, L, bs, dev = M * k, num_experts, num_loras, block_size, topk_ids.device
-    G = L * E
-    GP = triton.next_power_of_2(G + 1)
-    B = max_blocks(n, E, L, bs)
-    C = max(SUB, triton.next_power_of_2(triton.cdiv(max(n, 1), MAX_CHUNKS)))
-    NC = max(1, triton.cdiv(n, C))
-    ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
-    lora = token_lora.to(torch.int32).contiguous()
-    counts = torch.empty(NC, GP, dtype=torch.int32, device=dev)
-    first = torch.empty(GP + 1, dtype=torch.int32, device=dev)
-    pairs = torch.full((B * bs,), n, dtype=torch.int32, device=dev)
-    block_lora = torch.empty(B, dtype=torch.int32, device=dev)
-    block_expert = torch.empty(B, dtype=torch.int32, device=dev)
-    bb = max(1, 4096 // GP)
+    n, E, dev = M * k, num_experts, topk_ids.device
+    rows, pairs_at, blocks_at = [], 0, 0
+    for L, bs in lists:
+        G = E * (L or 1)
+        B = max_blocks(n, E, L or 1, bs)
+        rows.append((G, bs, B, pairs_at, blocks_at, int(L is not None)))
+        pairs_at, blocks_at = pairs_at + B * bs, blocks_at + B
+    if len(rows) > 2:
+        raise ValueError(f"lists: at most two block lists per call, got {len(rows)}")
+    scalars = [v for row in (rows + rows)[:2] for v in row]          # LIST_ARGS of both lists
+    GP = triton.next_power_of_2(max(r[0] for r in rows) + 1)
+    NL, NC = len(rows), max(1, triton.cdiv(n, SUB))
+    BB = max(1, min(64, 4096 // GP))
+    NT = max(triton.cdiv(r[2], BB) for r in rows)
+    pairs = torch.empty(pairs_at, dtype=torch.int32, device=dev)
+    block_lora = torch.empty(blocks_at, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(blocks_at, dtype=torch.int32, device=dev)
+    ids = topk_ids.reshape(-1)
+    lora = token_lora if token_lora is not None else ids        # never read for lists by expert
     with on_device(topk_ids):
-        count_kernel[(NC,)](ids, lora, counts, n, k, E, G, C=C, GP=GP)
-        scan_kernel[(1,)](counts, first, NC, G, BS=bs, GP=GP)
-        scatter_kernel[(NC,)](ids, lora, counts, first, pairs, n, k, E, G, C=C, SUB=SUB, GP=GP, BS=bs)
-        table_kernel[(triton.cdiv(B, bb),)](first, block_lora, block_expert, B, E, G, BB=bb, GP=GP)
-    return pairs, block_lora, block_expert
+        if n <= SORT_MAX_PAIRS:
+            NP = triton.next_power_of_2(max(n, 1))
+            sort_kernel[(NL,)](ids, lora, pairs, block_lora, block_expert, n, k, E, *scalars, NP=NP, FILL=1024,
+                               num_warps=max(4, min(16, NP // 256)))
+        else:
+            common = dict(SUB=SUB, GP=GP)
+            counts = torch.empty(NL, NC, GP, dtype=torch.int32, device=dev)
+            totals = torch.empty(NL, GP, dtype=torch.int32, device=dev)
+            count_kernel[(NC, NL)](ids, lora, counts, n, k, E, NC, *scalars, **common)
+            GB = min(GP, 64)
+            CT = max(1, min(triton.next_power_of_2(NC), SCAN_TILE // GB))
+            scan_kernel[(GP // GB, NL)](counts, totals, NC, CT=CT, GB=GB, GP=GP)
+            place_kernel[(NC + NT, NL)](ids, lora, counts, totals, pairs, block_lora, block_expert, n, k, E, NC,
+                                        *scalars, BB=BB, BSP=triton.next_power_of_2(max(r[1] for r in rows)),
+                                        **common)
+    return [(pairs[p: p + B * bs], block_lora[b: b + B], block_expert[b: b + B]) for _, bs, B, p, b, _ in rows]
+
+
+def make_block_lists(topk_ids: torch.Tensor, token_lora: torch.Tensor | None, num_experts: int, lists, *,
+                     values_checked: bool = False) -> list[BlockList]:
+    """BlockLists of one routing whose shapes were checked, one per (L, block size) in ``lists``
+    (L = None: grouped by expert only, the base GEMM's blocks): device kernels on a GPU, all lists in
+    the same launches; PyTorch ops elsewhere (under the interpreter the few tensor ops are cheaper
+    than interpreted kernels). ``values_checked`` says whether the caller has range-checked the ids
+    (recorded in the stamps, not done here).
+    """
+    lists = [(L, check_int("block_size", bs, low=1)) for L, bs in lists]
+    if topk_ids.is_cuda and not INTERPRET:
+        if any(L is not None for L, _ in lists) and token_lora is None:
+            raise TypeError("token_lora: needed for a list grouped by adapter")
+        all_tensors = _block_tensors_device(topk_ids, token_lora, num_experts, lists)
+    else:
+        zeros = torch.zeros_like(topk_ids[:, 0])
+        all_tensors = [block_tensors(topk_ids, zeros if L is None else token_lora, num_experts, L or 1, bs,
+                                     validate=False) for L, bs in lists]
+    return [BlockList(*tensors, RoutingStamp.of(topk_ids, None if L is None else token_lora, num_experts, L or 1, bs,
+                                                values_checked=values_checked))
+            for (L, bs), tensors in zip(lists, all_tensors)]
 
 
 def make_blocks(topk_ids: torch.Tensor, token_lora: torch.Tensor | None, num_experts: int, num_loras: int,
                 block_size: int, *, values_checked: bool = False) -> BlockList:
-    """The BlockList for routing whose shapes were checked: device kernels on a GPU, PyTorch ops
-    elsewhere (under the interpreter the few tensor ops are cheaper than interpreted kernels).
-
-    ``token_lora=None`` groups the pairs by expert only (the base GEMM's blocks); ``values_checked``
-    says whether the caller has range-checked the ids (recorded in the stamp, not done here).
-    """
-    L = 1 if token_lora is None else num_loras
-    lora = torch.zeros_like(topk_ids[:, 0]) if token_lora is None else token_lora
-    if topk_ids.is_cuda and not INTERPRET:
-        tensors = _block_tensors_device(topk_ids, lora, num_experts, L, block_size)
-    else:
-        tensors = block_tensors(topk_ids, lora, num_experts, L, block_size, validate=False)
-    return BlockList(*tensors, RoutingStamp.of(topk_ids, token_lora, num_experts, L, block_size,
-                                               values_checked=values_checked))
+    """The BlockList of one routing whose shapes were checked (see :func:`make_block_lists`);
+    ``token_lora=None`` groups the pairs by expert only (the base GEMM's blocks)."""
+    [blocks] = make_block_lists(topk_ids, token_lora, num_experts,
+                                [(None if token_lora is None else num_loras, block_size)],
+                                values_checked=values_checked)
+    return blocks

@@ -42,7 +42,7 @@ import warnings
 import torch
 
 from ._backend import INTERPRET, on_device
-from .align import make_blocks
+from .align import make_block_lists
 from .blocks import LayerPlan, RoutingStamp
 from .dispatch import choose_config
 from .moe import (MAX_FUSED_COLUMNS, GemmLoRA, fused_columns, gemm_tiles, moe_gemm, silu_and_mul,
@@ -123,19 +123,22 @@ def plan_layer(topk_ids, token_lora, num_experts: int, num_loras: int | None, ra
     P = M * k
     tiles = gemm_tiles(P, E)
     with on_device(topk_ids):
-        base = make_blocks(topk_ids, None, E, 1, tiles["BLOCK_M"], values_checked=validate)
         stamp = RoutingStamp.of(topk_ids, None if num_loras is None else token_lora, E, L, tiles["BLOCK_M"],
                                 values_checked=validate)
         plan = dict(num_loras=num_loras, rank=rank, routing=stamp)
-        if num_loras is None or rank == 0:                  # rank 0: LoRA adds nothing, the base layer runs
-            return LayerPlan(base, None, None, **plan)
-        if _fused(schedule, fused_fits(num_loras, rank)):
-            return LayerPlan(base, None, "in_gemm", **plan)
+        base_list = (None, tiles["BLOCK_M"])
+        if num_loras is None or rank == 0 or _fused(schedule, fused_fits(num_loras, rank)):
+            # no LoRA, rank 0 (LoRA adds nothing) or the in-GEMM LoRA: the base blocks alone
+            [base] = make_block_lists(topk_ids, None, E, [base_list], values_checked=validate)
+            in_gemm = num_loras is not None and rank != 0
+            return LayerPlan(base, None, "in_gemm" if in_gemm else None, **plan)
         path = resolve_path(lora_path, num_pairs=P, num_experts=E, num_loras=num_loras, rank=rank,
                             add_inputs=False, token_rows=True)
         cfg = choose_config(path, P, min(P, num_loras * E), intermediate or 1, 2, topk_ids.device, rank=rank)
-        return LayerPlan(base, make_blocks(topk_ids, token_lora, E, num_loras, cfg.block_m, values_checked=validate),
-                         path, **plan)
+        # both block lists from one construction (the same launches on a GPU)
+        base, lora = make_block_lists(topk_ids, token_lora, E, [base_list, (num_loras, cfg.block_m)],
+                                      values_checked=validate)
+        return LayerPlan(base, lora, path, **plan)
 
 
 def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=None, w13_lora_b=None,

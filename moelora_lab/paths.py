@@ -149,7 +149,9 @@ def launch_two_kernel(call: LoRACall, cfg: KernelConfig | None = None) -> None:
     cfg = _block_config(call, cfg, "two_kernel")
     block_r, rank_tiles = cfg.rank_tiling(R)
     ranks, has_ranks = call.ranks_or(blocks.block_lora), call.lora_ranks is not None
-    inter = torch.zeros(S, M * k, R, dtype=x.dtype, device=x.device)   # [S, P, r] in HBM
+    # [S, P, r] in HBM, uninitialised: the shrink writes every row and rank the expand reads (the
+    # rows of pairs with an adapter, the ranks below the slot's rank)
+    inter = torch.empty(S, M * k, R, dtype=x.dtype, device=x.device)
     for s0 in range(0, S, 2):
         ns = min(2, S - s0)
         t = inter[s0:s0 + ns]

@@ -9,6 +9,7 @@ Shape legend: M tokens, E experts, k top-k, L adapters, r rank, K in, N out.
 from __future__ import annotations
 
 from . import results
+from .align import SORT_MAX_PAIRS
 from .config import MoEShape
 from .layer import gpu_schedule
 
@@ -46,8 +47,9 @@ def _op_section(kernels, vllm, align) -> list[str]:
     torch_ops = [v for (m, p, _), v in by.items() if m == "torch_ops"]
     device = [v for (m, p, _), v in by.items() if m == "triton_kernels"]
     out += [f"The routing metadata of one block list costs {_span(torch_ops, '{:.0f}', ' µs')} built from PyTorch ops",
-            f"(`block_list`) and {_span(device, '{:.0f}', ' µs')} from four Triton kernels (`block_list_device`, used on",
-            "GPUs; `align.csv`, M = " + ", ".join(str(m) for m in sorted({k[2] for k in by})) + ")."]
+            f"(`block_list`) and {_span(device, '{:.0f}', ' µs')} from Triton kernels (`block_list_device`, used on",
+            f"GPUs: one launch up to {SORT_MAX_PAIRS} pairs, three beyond; `align.csv`, M = "
+            + ", ".join(str(m) for m in sorted({k[2] for k in by})) + ")."]
     return out
 
 
@@ -84,6 +86,9 @@ def _layer_section(layer) -> list[str]:
                         lambda m, r=rank: f"{t[r, m, 'auto']['roofline_us'] / t[r, m, 'auto']['us_median']:.2f}"))
     out.append(line("our base GEMMs / `torch._grouped_mm`", ratio(16, "base_gemms", "grouped_mm")))
     out.append(line("routing plan [µs]", lambda m: f"{t[16, m, 'plan']['us_median']:.1f}"))
+    if all((16, m, "auto_plan") in t for m in ms):
+        out.append(line("LoRA r=16, layer + plan (`auto`) [µs]", lambda m: f"{t[16, m, 'auto_plan']['us_median']:.1f}"))
+        out.append(line("LoRA r=16, layer + plan / no LoRA + plan", ratio(16, "auto_plan", "no_lora_plan")))
     shape = MoEShape.from_name(PRESET)
     dual = [m for m in ms if gpu_schedule(m * shape.top_k, shape.num_experts) == "dual_stream"]
     fused = [t[16, m, "fused"]["us_median"] / t[16, m, "no_lora"]["us_median"] for m in ms if (16, m, "fused") in t]

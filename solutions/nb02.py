@@ -2,9 +2,9 @@
 import triton
 import triton.language as tl
 
-# 02.roundtrip_bytes: T is [S, M*k, r] bf16, moved three times (zero-fill, shrink's write, expand's read)
+# 02.roundtrip_bytes: T is [S, M*k, r] bf16, moved twice (shrink's write, expand's read; no fill)
 M, K_TOP, R, S, BF16 = 512, 8, 16, 2, 2
-roundtrip_guess = 3 * S * (M * K_TOP) * R * BF16
+roundtrip_guess = 2 * S * (M * K_TOP) * R * BF16
 
 
 # 02.shrink_once: the block's pair rows as one [BLOCK_M, BLOCK_K] x tile per K step, A[g] read once

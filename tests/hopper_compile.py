@@ -86,13 +86,13 @@ def main():
         ("topk_sum", base_moe.topk_sum_kernel, dict(ptrs("c3_ptr", "delta_ptr", "y_ptr"), token_lora_ptr=i32),
          dict(BLOCK=1024, HAS_DELTA=True)),
     ]
-    ai = dict(topk_ids_ptr=i32, token_lora_ptr=i32, counts_ptr=i32, cursor_ptr=i32, first_block_ptr=i32,
-              sorted_pairs_ptr=i32, block_lora_ptr=i32, block_expert_ptr=i32)
+    ai = dict(topk_ids_ptr="*i64", token_lora_ptr="*i64", counts_ptr=i32, totals_ptr=i32, sorted_pairs_ptr=i32,
+              block_lora_ptr=i32, block_expert_ptr=i32)
     cases += [
-        ("align.count", align.count_kernel, ai, dict(C=256, GP=1024)),
-        ("align.scan", align.scan_kernel, ai, dict(BS=16, GP=1024)),
-        ("align.scatter", align.scatter_kernel, ai, dict(C=256, SUB=64, GP=1024, BS=16)),
-        ("align.table", align.table_kernel, ai, dict(BB=4, GP=1024)),
+        ("align.count", align.count_kernel, ai, dict(SUB=128, GP=1024)),
+        ("align.scan", align.scan_kernel, ai, dict(CT=64, GB=64, GP=1024)),
+        ("align.place", align.place_kernel, ai, dict(SUB=128, GP=1024, BB=4, BSP=128)),
+        ("align.sort", align.sort_kernel, ai, dict(NP=4096, FILL=1024)),
     ]
     for name, kernel, types, constexprs in cases:
         compiled = build(kernel, types, constexprs)

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from moelora_lab import align
 from moelora_lab.align import block_list_device
 from moelora_lab.routing import block_list
 
@@ -27,8 +28,9 @@ def test_device_blocks_equal_the_spec(device, seed, block_size):
         assert torch.equal(a, b)
 
 
-def test_device_blocks_many_chunks_and_edge_cases(device):
-    # 2400 pairs: several chunks and several scatter steps per chunk; one hot (adapter, expert)
+def test_device_blocks_many_chunks_and_edge_cases(device, monkeypatch):
+    # 2400 pairs in the three-launch construction: 19 chunks; one hot (adapter, expert)
+    monkeypatch.setattr(align, "SORT_MAX_PAIRS", 0)
     g = torch.Generator().manual_seed(11)
     ids = torch.randint(0, 8, (1200, 2), generator=g).to(torch.int32)
     ids[:, 1] = (ids[:, 0] + 1) % 8
@@ -40,3 +42,45 @@ def test_device_blocks_many_chunks_and_edge_cases(device):
     none = torch.full((5,), -1, dtype=torch.int32, device=device)
     got = block_list_device(ids[:5], none, 8, 3, 16)
     assert torch.all(got.block_lora == -1) and torch.all(got.sorted_pairs == 10)
+
+
+@pytest.fixture(params=["one_launch", "three_launches"])
+def launches(request, monkeypatch):
+    """Both constructions: one program per list sorting in registers, or count + scan + place."""
+    if request.param == "three_launches":
+        monkeypatch.setattr(align, "SORT_MAX_PAIRS", 0)
+        monkeypatch.setattr(align, "SCAN_TILE", 128)               # the scan then takes several steps
+    return request.param
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_two_lists_in_the_same_launches_equal_the_spec(device, seed, launches):
+    # a layer's base list (by expert, its own block size) and LoRA list (by adapter and expert)
+    ids, lora, E, L = random_routing(100 + seed, device)
+    base_bs, lora_bs = (16, 64) if seed % 2 else (64, 16)
+    base, by_adapter = align._block_tensors_device(ids, lora, E, [(None, base_bs), (L, lora_bs)])
+    for a, b in zip(base, block_list(ids, torch.zeros_like(lora), E, 1, base_bs).tensors):
+        assert torch.equal(a, b)
+    for a, b in zip(by_adapter, block_list(ids, lora, E, L, lora_bs).tensors):
+        assert torch.equal(a, b)
+
+
+def test_int64_routing_and_a_hot_group(device, launches):
+    # int64 ids (as torch.topk gives), one hot (adapter, expert) spanning chunks, tokens without
+    # adapters; the sort in registers is slow under the interpreter, so it gets fewer tokens
+    M = 1200 if launches == "three_launches" else 200
+    g = torch.Generator().manual_seed(12)
+    ids = torch.randint(0, 8, (M, 2), generator=g)
+    ids[:, 1] = (ids[:, 0] + 1) % 8
+    ids[M // 6: M * 3 // 4, 0] = 5
+    lora = torch.randint(-1, 3, (M,), generator=g)
+    ids, lora = ids.to(device), lora.to(device)
+    for bs in (1, 16, 128):
+        for a, b in zip(block_list_device(ids, lora, 8, 3, bs).tensors, block_list(ids, lora, 8, 3, bs).tensors):
+            assert torch.equal(a, b)
+
+
+def test_more_than_two_lists_is_refused(device):
+    ids, lora, E, L = random_routing(1, device)
+    with pytest.raises(ValueError, match="at most two"):
+        align._block_tensors_device(ids, lora, E, [(None, 16)] * 3)

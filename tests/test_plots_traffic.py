@@ -53,11 +53,13 @@ def test_traffic_table_hand_counted_intermediate():
     assert [(r["M"], r["path"]) for r in rows] == [(3, "two_kernel"), (3, "one_shot"), (16, "two_kernel"),
                                                  (16, "one_shot")]
     two, one = rows[0], rows[1]
-    # T [S=2, M*k=6, r=4] in bf16: zero-filled, written and read once each
-    assert two["intermediate"] == 3 * 2 * 6 * 4 * 2
+    # T [S=2, M*k=6, r=4] in bf16, every pair with an adapter (dense): written once by the shrink and read
+    # once by the expand, never filled: 2 passes * 2*6*4 elements * 2 B = 192
+    assert two["intermediate"] == 2 * 2 * 6 * 4 * 2 == 192
+    assert two["traffic"].part("intermediate_write") == two["traffic"].part("intermediate_read") == 96
     assert one["intermediate"] == 0 and one["intermediate_share"] == 0.0
     assert two["bytes"] - one["bytes"] == two["intermediate"]
-    assert two["launches"] == 3 and one["launches"] == 1
+    assert two["launches"] == 2 and one["launches"] == 1
     # everything else equals the byte model evaluated by hand on the dense workload
     wl = Workload.dense(3, 2, 8, 2)
     ref = lora_op_traffic("one_shot", wl, in_features=64, out_features=32, num_slices=2, rank=4)
@@ -103,11 +105,11 @@ def test_bytes_breakdown_stacks_the_parts_of_each_path():
     ax = axes()
     draw_bytes_breakdown(ax, traffics, unit="KB", title="small")
     bars = [c for c in ax.containers if isinstance(c, BarContainer)]
-    # x, A, B, T zero/write/read, out read, out write: 8 stacked layers over two bars
-    assert len(bars) == 8 and all(len(b) == 2 for b in bars)
+    # x, A, B, T write/read, out read, out write: 7 stacked layers over two bars
+    assert len(bars) == 7 and all(len(b) == 2 for b in bars)
     tops = [max(p.get_y() + p.get_height() for p in (b[i] for b in bars)) for i in range(2)]
     assert tops == pytest.approx([traffics["two_kernel"].bytes / 1e3, traffics["one_shot"].bytes / 1e3])
-    t_layers = bars[3:6]                                       # the one-shot bar has no T
+    t_layers = bars[3:5]                                       # the one-shot bar has no T
     assert all(b[1].get_height() == 0 for b in t_layers) and all(b[0].get_height() > 0 for b in t_layers)
     texts = [t.get_text() for t in ax.texts]
     assert texts[0].startswith(f"{traffics['two_kernel'].bytes / 1e3:.3g} KB") and "T:" in texts[0]

@@ -11,7 +11,7 @@ from moelora_lab import LoRAShape, MoEShape, make_problem
 from moelora_lab.bench import cli, common, profiler_sweep
 from moelora_lab.layer import moe_lora_layer
 from moelora_lab.profile.profiler import (TOLERANCE_US, Annotator, capture_profiler_timeline, compare_timelines,
-                                          kineto_cases, stage_records, stream_metrics)
+                                          kineto_cases, stage_kernels, stage_records, stream_metrics)
 from moelora_lab.profile.trace_events import load_trace_events
 from moelora_lab.results import load, load_traces, read_csv
 
@@ -76,6 +76,35 @@ def test_stage_records_from_kernels():
     ks = [dict(stream="main", stage="act", name="a", start_us=5.0, end_us=6.0),
           dict(stream="main", stage="base_w13", name="g", start_us=0.0, end_us=4.0)]
     assert [r["name"] for r in stage_records(ks)] == ["base_w13", "act"]
+
+
+FILL = ("void at::native::vectorized_elementwise_kernel<8, at::native::FillFunctor<c10::BFloat16>, "
+        "std::array<char*, 1ul> >(int, at::native::FillFunctor<c10::BFloat16>, std::array<char*, 1ul>)")
+
+
+@pytest.mark.parametrize("lora_kernels, want", [
+    ([FILL, "shrink_kernel", "expand_kernel"], ("fill", "shrink", "expand")),   # a launcher that fills T first
+    (["shrink_kernel", "expand_kernel"], ("shrink", "expand")),                 # T allocated uninitialised
+    (["one_shot_kernel"], ("one_shot",)),
+])
+def test_stage_kernels_names_what_the_profiler_saw(lora_kernels, want):
+    records = [dict(stream="main", name="base_w13", start_us=0.0, end_us=9.0, kernels=["moe_gemm_kernel"]),
+               dict(stream="lora", name="lora_w13", start_us=1.0, end_us=8.0, kernels=lora_kernels)]
+    assert stage_kernels(records, "lora_w13") == want
+    assert stage_kernels(records, "base_w13") == ("moe_gemm",)
+    assert stage_kernels(records, "act") == ()
+
+
+def test_stage_kernels_from_an_export_and_bad_input():
+    (case,) = kineto_cases(_events()).values()
+    assert stage_kernels(case["records"], "lora_w13") == ("one_shot",)
+    assert stage_kernels(case["records"], "act") == ("silu_and_mul",)
+    with pytest.raises(TypeError, match="stage: expected a stage name"):
+        stage_kernels(case["records"], 3)
+    with pytest.raises(TypeError, match="records: expected a list of stage records"):
+        stage_kernels({"name": "act"}, "act")
+    with pytest.raises(TypeError, match=r"records\[0\]: expected a stage record"):
+        stage_kernels([["act"]], "act")
 
 
 def _timeline(shift=0.0, side_start=10.0):

@@ -9,7 +9,8 @@ Variants per (preset, M, rank), each timed as a CUDA-graph replay with L2 flushe
   base_gemms              our two grouped GEMMs alone, next to
   grouped_mm              torch._grouped_mm on rows already grouped by expert (a strong reference)
 Routing metadata is built once per case outside the timed region (``plan_layer``) and timed apart
-as ``plan``. Next to the byte floor, ``roofline_us`` is max(byte floor, FLOPs / the bf16 matmul rate
+as ``plan``; ``no_lora_plan`` and ``auto_plan`` time the layer with its plan built inside the call,
+as a model pays it in every MoE layer. Next to the byte floor, ``roofline_us`` is max(byte floor, FLOPs / the bf16 matmul rate
 measured in the same run): past the ridge the layer is compute-bound and the byte floor alone is
 out of reach. Timelines of the sequential and dual-stream layer are captured for ``--trace-tokens``
 x ``--trace-ranks`` and saved to one JSON file. LoRA B is stored N-fastest (``pack_lora_b``), the
@@ -37,7 +38,8 @@ from .common import base_weights, device, grouped_mm_fns, progress, seeded_gener
 
 NAME = "layer"
 VARIANTS = ("no_lora", "sequential", "dual_stream", "fused", "auto", "sequential_vllm_join",
-            "dual_stream_vllm_join", "base_gemms", "grouped_mm", "plan")
+            "dual_stream_vllm_join", "base_gemms", "grouped_mm", "plan", "no_lora_plan", "auto_plan")
+NO_LORA = ("no_lora", "base_gemms", "grouped_mm", "plan", "no_lora_plan")
 
 
 def add_parser(sub):
@@ -97,6 +99,8 @@ def run_layer(args) -> tuple[list[dict], dict]:
                                    moe_gemm(h, w2, plan_b.base_blocks, c3, top_k=k, topk_weights=wflat,
                                             tiles=tiles)),
             "grouped_mm": lambda: tuple(f() for f in grouped),
+            "no_lora_plan": lambda: moe_lora_layer(*base, validate=False),
+            "auto_plan": lambda: moe_lora_layer(*base, **lora, validate=False),
             "plan": lambda: plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I, schedule="sequential",
                                        validate=False),
         }
@@ -113,13 +117,13 @@ def run_layer(args) -> tuple[list[dict], dict]:
             except Exception as exc:   # e.g. torch._grouped_mm missing on an older torch: record, go on
                 med = p20 = p80 = ""
                 error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
-            floor = floors[name not in ("no_lora", "base_gemms", "grouped_mm", "plan")]
-            path = {"fused": "in_gemm", "auto": plan_a.lora_path}.get(name, plan_l.lora_path)
+            floor = floors[name not in NO_LORA]
+            path = {"fused": "in_gemm", "auto": plan_a.lora_path, "auto_plan": plan_a.lora_path}.get(name, plan_l.lora_path)
             ran = ""
-            if name in VARIANTS[1:7]:          # the schedule that really ran (auto resolved, CPU: sequential)
+            if name in VARIANTS[1:7] + ("auto_plan",):   # the schedule that really ran (auto resolved, CPU: sequential)
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", RuntimeWarning)
-                    ran = resolve_schedule(name.removesuffix("_vllm_join"), torch.device(device()), num_pairs=M * k,
+                    ran = resolve_schedule(name.removesuffix("_vllm_join").removesuffix("_plan"), torch.device(device()), num_pairs=M * k,
                                            num_experts=E, fits=plan_f is not None)
             rows.append(dict(preset=preset, M=M, rank=rank, loras=L, variant=name, schedule=ran, lora_path=path,
                              side_priority=args.side_priority if ran == "dual_stream" else "",

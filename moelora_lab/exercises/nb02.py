@@ -16,7 +16,8 @@ ROUNDTRIP = dict(M=512, k=8, r=16, S=2)      # w13 of qwen3-30b-a3b: gate and up
 
 def _roundtrip_truth():
     """The byte model's traffic of the rank buffer T on the two-kernel path for ROUNDTRIP (every token
-    has an adapter): zero-fill, shrink's write, expand's read; qwen3-30b-a3b's w13 (K = H, N = I)."""
+    has an adapter): shrink's write and expand's read (the launcher allocates T without a fill);
+    qwen3-30b-a3b's w13 (K = H, N = I)."""
     from ..config import MoEShape
     from ..profile.traffic import count_workload, lora_op_traffic
     m, shape = ROUNDTRIP, MoEShape.from_name("qwen3-30b-a3b")
@@ -24,28 +25,37 @@ def _roundtrip_truth():
     work = count_workload(ids, torch.zeros(m["M"], dtype=torch.long), shape.num_experts, 1)
     t = lora_op_traffic("two_kernel", work, in_features=shape.hidden, out_features=shape.intermediate,
                         num_slices=m["S"], rank=m["r"])
-    return {name: t.part(name) for name in ("intermediate_zero", "intermediate_write", "intermediate_read")}
+    return {name: t.part(name) for name in ("intermediate_write", "intermediate_read")}
+
+
+def _near(guess, value) -> bool:
+    return isinstance(guess, (int, float)) and not isinstance(guess, bool) and abs(guess - value) <= 0.1 * value
 
 
 def _grade_roundtrip(guess) -> Result:
     parts = _roundtrip_truth()
     m = ROUNDTRIP
-    one = m["S"] * m["M"] * m["k"] * m["r"] * 2
+    one = m["S"] * m["M"] * m["k"] * m["r"] * 2             # one pass over T [S, P, r] in bf16
     res = predict_result("02.roundtrip_bytes", guess, sum(parts.values()), rel=0.10, unit=" B",
-                         explain=f"T is [S, P, r] = [{m['S']}, {m['M'] * m['k']}, {m['r']}] bf16: {one:,} B, moved "
-                                 f"three times (zero-fill, shrink's write, expand's read)")
+                         explain=f"T is [S, P, r] = [{m['S']}, {m['M'] * m['k']}, {m['r']}] bf16: {one:,} B per pass; "
+                                 f"the byte model counts {len(parts)} passes, shrink's write and expand's read")
     details = [f"  {name}: {nbytes:,} B" for name, nbytes in parts.items()]
-    if isinstance(guess, (int, float)) and abs(guess - 2 * one) <= 0.1 * 2 * one:
-        details.append("your number is two passes: the launcher's zero-fill writes T too")
-    elif isinstance(guess, (int, float)) and abs(guess - 3 * one / m["S"]) <= 0.1 * 3 * one / m["S"]:
-        details.append("your number is one slice: w13 has two (gate and up), each with its own T rows")
+    if _near(guess, one):
+        details.append("your number is half: one pass (the expand reads back every byte the shrink wrote) or one "
+                       "slice (w13 has two, gate and up, each with its own T rows)")
+    elif _near(guess, 3 * one):
+        details.append("your number is three passes: the launcher allocates T with torch.empty, so nothing "
+                       "writes it before the shrink")
+    elif _near(guess, 4 * one):
+        details.append("your number is twice: T is stored in x's dtype (bf16, 2 bytes); the fp32 accumulator "
+                       "stays in registers")
     return Result(res.passed, res.message, res.details + tuple(details))
 
 
 ROUNDTRIP_STUB = '''\
 # How many bytes does the rank buffer T cost the two-kernel path in one call of w13 (S = 2 slices)
-# at M = 512 tokens, top-k 8, rank 16, bf16? Count all three passes of the table above: the
-# zero-fill, shrink's write and expand's read. Write your number, then run the check.
+# at M = 512 tokens, top-k 8, rank 16, bf16? Count both passes of the table above: shrink's write
+# and expand's read. Write your number, then run the check.
 roundtrip_guess = None
 '''
 
@@ -91,8 +101,8 @@ predict_time_guess = None
 register(
     Exercise("02.roundtrip_bytes", "02_hbm_round_trip", "predict", "bytes of the rank buffer's round trip",
              "roundtrip_guess", ROUNDTRIP_STUB, _grade_roundtrip,
-             hint="T holds one row of r values per (slice, pair): S x M x k rows. The launcher writes every "
-                  "value once (zeros), the shrink writes it once more and the expand reads it once; bf16 is "
+             hint="T holds one row of r values per (slice, pair): S x M x k rows. The launcher allocates it "
+                  "without a fill; the shrink writes every value once and the expand reads it once; bf16 is "
                   "2 bytes."),
 )
 

@@ -1,15 +1,28 @@
-"""Routing metadata on the device: a counting sort of pairs by (adapter, expert) in four small kernels.
+"""Routing metadata on the device: a counting sort of pairs into blocks, one or two block lists per call.
 
-Shape legend: M tokens, k top-k, E experts, L adapters, n = M*k pairs, G = L*E groups ("virtual
-experts" g = l*E + e; g = G means "no adapter"), GP = next power of two > G, C pairs per chunk,
-NC chunks, B blocks of BS pairs.
+Shape legend: M tokens, k top-k, E experts, L adapters, n = M*k pairs, G groups of a list (E when
+pairs are grouped by expert, L*E when by (adapter, expert): g = l*E + e; g = G collects pairs left
+out), NP = next power of two >= n, GP = next power of two > G, SUB pairs per chunk, NC chunks,
+B blocks of BS pairs, NL lists.
 
-  count_kernel   (NC programs)  counts[c, g]  = pairs of group g in chunk c            (tl.histogram)
-  scan_kernel    (1 program)    cursor[c, g]  = pairs of group g in chunks before c,
-                                first_block[g] = blocks of all groups before g
-  scatter_kernel (NC programs)  sorted_pairs[first_block[g]*BS + cursor + rank] = p, in pair order,
-                                so each group's pairs stay ascending (deterministic, no atomics)
-  table_kernel   (cdiv(B, BB))  block_lora / block_expert of every block, -1 past the used ones
+A layer needs two lists from the same routing (the base GEMM's, by expert, and the LoRA's, by
+(adapter, expert), each with its own block size), so every kernel takes a list axis and builds
+both in the same launches. The lists live end to end in one pairs buffer and one block table;
+each kernel gets every list's G, BS, B, pairs offset, block offset and whether it groups by
+adapter as scalars (G0 .. BY1: no descriptor to copy, so the launches can be captured in a CUDA
+graph). Pairs of a group stay ascending, as in the PyTorch spec; no atomics.
+
+Few pairs (n <= a few thousand): one launch, one program per list.
+  sort_kernel   sorts the keys g*NP + p in registers (``tl.sort``); a pair's place in its group is
+                its distance from the group's first key, the group's first block an exclusive sum
+                of blocks over the group starts; then it writes the sentinel n everywhere, the pairs,
+                and each group's blocks in the table.
+Many pairs: three launches, chunks of SUB pairs in parallel.
+  count_kernel  (NC programs per list)    counts[c, g] = pairs of group g in chunk c ([SUB, SUB] compare)
+  scan_kernel   (GP/GB programs per list) counts[c, g] -> pairs of group g before chunk c, totals[g]
+  place_kernel  (NC + NT programs per list) chunk programs scatter their pairs to
+                    sorted_pairs[first_block[g]*BS + before[g] + rank in chunk] = p,
+                table programs write the table and the sentinel n into every padding slot.
 The result is identical to :func:`moelora_lab.routing.block_list`.
 """
 import triton
@@ -17,88 +30,171 @@ import triton.language as tl
 
 
 @triton.jit
-def _group_of(topk_ids_ptr, token_lora_ptr, pairs, valid, top_k, E, G):
-    lora = tl.load(token_lora_ptr + pairs // top_k, mask=valid, other=-1)
-    expert = tl.load(topk_ids_ptr + pairs, mask=valid, other=0)
+def _list(lst, G0, BS0, B0, P0, BA0, BY0, G1, BS1, B1, P1, BA1, BY1):
+    """This list's G, BS, B, pairs offset, block offset, by-adapter flag (two lists at most)."""
+    first = lst == 0
+    return (tl.where(first, G0, G1), tl.where(first, BS0, BS1), tl.where(first, B0, B1), tl.where(first, P0, P1),
+            tl.where(first, BA0, BA1), tl.where(first, BY0, BY1))
+
+
+@triton.jit
+def _group_of(topk_ids_ptr, token_lora_ptr, pairs, n, top_k, E, G, by_adapter):
+    """Group of each pair (G for pairs past n and for tokens without an adapter)."""
+    valid = pairs < n
+    expert = tl.load(topk_ids_ptr + pairs, mask=valid, other=0).to(tl.int32)
+    lora = tl.load(token_lora_ptr + pairs // top_k, mask=valid & (by_adapter != 0), other=0).to(tl.int32)
     return tl.where(valid & (lora >= 0), lora * E + expert, G)
 
 
 @triton.jit
 def count_kernel(
-    topk_ids_ptr,      # [n] int32 expert of each pair
-    token_lora_ptr,    # [M] int32 adapter of each token, -1 = none
-    counts_ptr,        # [NC, GP] int32 out
-    n, top_k, E, G,
-    C: tl.constexpr, GP: tl.constexpr,
+    topk_ids_ptr,      # [n] int32/int64 expert of each pair
+    token_lora_ptr,    # [M] int32/int64 adapter of each token, -1 = none
+    counts_ptr,        # [NL, NC, GP] int32 out
+    n, top_k, E, num_chunks,
+    G0, BS0, B0, P0, BA0, BY0, G1, BS1, B1, P1, BA1, BY1,
+    SUB: tl.constexpr, GP: tl.constexpr,
 ):
-    chunk = tl.program_id(0)
-    pairs = chunk * C + tl.arange(0, C)
-    groups = _group_of(topk_ids_ptr, token_lora_ptr, pairs, pairs < n, top_k, E, G)
-    tl.store(counts_ptr + chunk * GP + tl.arange(0, GP), tl.histogram(groups, GP))
+    """Program (chunk, list): how many pairs of each group chunk c holds (zero for the others)."""
+    chunk, lst = tl.program_id(0), tl.program_id(1)
+    G, _, _, _, _, by_adapter = _list(lst, G0, BS0, B0, P0, BA0, BY0, G1, BS1, B1, P1, BA1, BY1)
+    ii = tl.arange(0, SUB)
+    g = _group_of(topk_ids_ptr, token_lora_ptr, chunk * SUB + ii, n, top_k, E, G, by_adapter)
+    same = g[:, None] == g[None, :]                                                # [SUB, SUB]
+    count = tl.sum(same.to(tl.int32), 1)
+    lead = tl.sum((same & (ii[None, :] < ii[:, None])).to(tl.int32), 1) == 0       # first of its group here
+    row = counts_ptr + (lst * num_chunks + chunk).to(tl.int64) * GP
+    tl.store(row + tl.arange(0, GP), tl.zeros((GP,), dtype=tl.int32))
+    tl.debug_barrier()
+    tl.store(row + g, count, mask=lead & (g < G))
 
 
 @triton.jit
 def scan_kernel(
-    counts_ptr,        # [NC, GP] int32 in: per-chunk counts; out: per-chunk cursors (exclusive prefix)
-    first_block_ptr,   # [GP + 1] int32 out: first block of each group; [GP] = blocks used in all
-    num_chunks, G,
-    BS: tl.constexpr, GP: tl.constexpr,
+    counts_ptr,        # [NL, NC, GP] int32 in: per-chunk counts; out: pairs of the group in earlier chunks
+    totals_ptr,        # [NL, GP] int32 out: pairs of each group
+    num_chunks,
+    CT: tl.constexpr, GB: tl.constexpr, GP: tl.constexpr,
 ):
-    groups = tl.arange(0, GP)
-    running = tl.zeros((GP,), dtype=tl.int32)
-    for c in range(num_chunks):
-        row = counts_ptr + c * GP + groups
-        cnt = tl.load(row)
-        tl.store(row, running)
-        running += cnt
-    blocks = tl.where(groups < G, (running + BS - 1) // BS, 0)
-    ends = tl.cumsum(blocks, 0)
-    tl.store(first_block_ptr + groups, ends - blocks)
-    tl.store(first_block_ptr + GP, tl.sum(blocks, 0))
+    lst = tl.program_id(1)
+    cols = tl.program_id(0) * GB + tl.arange(0, GB)
+    rows = tl.arange(0, CT)
+    carry = tl.zeros((GB,), dtype=tl.int32)
+    base = counts_ptr + lst.to(tl.int64) * num_chunks * GP
+    for c0 in range(0, num_chunks, CT):
+        ptrs = base + (c0 + rows)[:, None] * GP + cols[None, :]
+        ok = (c0 + rows < num_chunks)[:, None]
+        cnt = tl.load(ptrs, mask=ok, other=0)                                      # [CT, GB]
+        incl = tl.cumsum(cnt, 0)
+        tl.store(ptrs, incl - cnt + carry[None, :], mask=ok)
+        carry += tl.sum(cnt, 0)
+    tl.store(totals_ptr + lst * GP + cols, carry)
 
 
 @triton.jit
-def scatter_kernel(
+def place_kernel(
     topk_ids_ptr, token_lora_ptr,
-    cursor_ptr,        # [NC, GP] int32 from scan_kernel; advanced here as pairs are placed
-    first_block_ptr,   # [GP + 1] int32
-    sorted_pairs_ptr,  # [B*BS] int32, pre-filled with the sentinel n
-    n, top_k, E, G,
-    C: tl.constexpr, SUB: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr,
+    counts_ptr,        # [NL, NC, GP] int32 from scan_kernel
+    totals_ptr,        # [NL, GP] int32 from scan_kernel
+    sorted_pairs_ptr,  # [sum of B*BS] int32 out: every list's pairs, end to end
+    block_lora_ptr,    # [sum of B] int32 out: adapter of each block (0 for lists by expert), -1 = unused
+    block_expert_ptr,  # [sum of B] int32 out: expert of each block, -1 = unused
+    n, top_k, E, num_chunks,
+    G0, BS0, B0, P0, BA0, BY0, G1, BS1, B1, P1, BA1, BY1,
+    SUB: tl.constexpr, GP: tl.constexpr, BB: tl.constexpr, BSP: tl.constexpr,
 ):
-    chunk = tl.program_id(0)
-    ii = tl.arange(0, SUB)
-    for s in range(0, C, SUB):
-        pairs = chunk * C + s + ii
-        valid = pairs < n
-        groups = _group_of(topk_ids_ptr, token_lora_ptr, pairs, valid, top_k, E, G)
-        same = groups[:, None] == groups[None, :]                                # [SUB, SUB]
-        earlier = tl.sum((same & (ii[None, :] < ii[:, None])).to(tl.int32), 1)  # same group, before me
-        later = tl.sum((same & (ii[None, :] > ii[:, None])).to(tl.int32), 1)
-        placed = valid & (groups < G)
-        safe = tl.where(placed, groups, 0)
-        cursor = tl.load(cursor_ptr + chunk * GP + safe, mask=placed, other=0)
-        start = tl.load(first_block_ptr + safe, mask=placed, other=0) * BS
-        tl.store(sorted_pairs_ptr + start + cursor + earlier, pairs, mask=placed)
-        tl.debug_barrier()
-        tl.store(cursor_ptr + chunk * GP + safe, cursor + earlier + 1, mask=placed & (later == 0))
-        tl.debug_barrier()
+    pid, lst = tl.program_id(0), tl.program_id(1)
+    G, BS, num_blocks, pairs_at, blocks_at, by_adapter = _list(lst, G0, BS0, B0, P0, BA0, BY0,
+                                                               G1, BS1, B1, P1, BA1, BY1)
+    groups = tl.arange(0, GP)
+    totals = tl.load(totals_ptr + lst * GP + groups)
+    blocks = tl.where(groups < G, (totals + BS - 1) // BS, 0)
+    first = tl.cumsum(blocks, 0) - blocks                                          # [GP] ascending
+    used = tl.sum(blocks, 0)
+    if pid < num_chunks:
+        # scatter: pair p goes after the pairs of its group in earlier chunks and earlier in this one
+        ii = tl.arange(0, SUB)
+        pairs = pid * SUB + ii
+        g = _group_of(topk_ids_ptr, token_lora_ptr, pairs, n, top_k, E, G, by_adapter)
+        before = tl.load(counts_ptr + (lst * num_chunks + pid).to(tl.int64) * GP + groups)
+        safe = tl.where(g < G, g, 0)
+        earlier = tl.sum(((g[:, None] == g[None, :]) & (ii[None, :] < ii[:, None])).to(tl.int32), 1)
+        pos = tl.gather(first, safe, 0) * BS + tl.gather(before, safe, 0) + earlier
+        tl.store(sorted_pairs_ptr + pairs_at + pos, pairs, mask=g < G)
+    else:
+        # table: the group of each block (the last group starting at or before it), and the sentinel
+        # in every slot past its group's pairs
+        b = (pid - num_chunks) * BB + tl.arange(0, BB)
+        starts = first[None, :] <= b[:, None]                                      # [BB, GP]
+        mine = tl.sum(starts.to(tl.int32), 1) - 1
+        is_mine = groups[None, :] == mine[:, None]
+        b_first = tl.sum(tl.where(is_mine, first[None, :], 0), 1)
+        b_total = tl.sum(tl.where(is_mine, totals[None, :], 0), 1)
+        ok = b < num_blocks
+        live = b < used
+        tl.store(block_lora_ptr + blocks_at + b, tl.where(live, mine // E, -1), mask=ok)
+        tl.store(block_expert_ptr + blocks_at + b, tl.where(live, mine % E, -1), mask=ok)
+        s = tl.arange(0, BSP)
+        slot = (b - b_first)[:, None] * BS + s[None, :]                            # [BB, BSP] place in group
+        pad = ~live[:, None] | (slot >= b_total[:, None])
+        tl.store(sorted_pairs_ptr + pairs_at + b[:, None] * BS + s[None, :], n + 0 * slot,
+                 mask=ok[:, None] & (s < BS)[None, :] & pad)
 
 
 @triton.jit
-def table_kernel(
-    first_block_ptr,   # [GP + 1] int32
-    block_lora_ptr,    # [B] int32 out
-    block_expert_ptr,  # [B] int32 out
-    num_blocks, E, G,
-    BB: tl.constexpr, GP: tl.constexpr,
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _min(a, b):
+    return tl.minimum(a, b)
+
+
+@triton.jit
+def sort_kernel(
+    topk_ids_ptr, token_lora_ptr,
+    sorted_pairs_ptr,  # [sum of B*BS] int32 out: every list's pairs, end to end
+    block_lora_ptr,    # [sum of B] int32 out: adapter of each block (0 for lists by expert), -1 = unused
+    block_expert_ptr,  # [sum of B] int32 out: expert of each block, -1 = unused
+    n, top_k, E,
+    G0, BS0, B0, P0, BA0, BY0, G1, BS1, B1, P1, BA1, BY1,
+    NP: tl.constexpr, FILL: tl.constexpr,
 ):
-    b = tl.program_id(0) * BB + tl.arange(0, BB)
-    groups = tl.arange(0, GP)
-    first = tl.load(first_block_ptr + groups)                                    # [GP] ascending
-    first = tl.where(groups < G, first, 2147483647)
-    group = tl.sum((first[None, :] <= b[:, None]).to(tl.int32), 1) - 1          # last group starting <= b
-    used = b < tl.load(first_block_ptr + GP)
-    ok = b < num_blocks
-    tl.store(block_lora_ptr + b, tl.where(used, group // E, -1), mask=ok)
-    tl.store(block_expert_ptr + b, tl.where(used, group % E, -1), mask=ok)
+    """Program (list): the whole list from n <= NP pairs held in registers."""
+    lst = tl.program_id(0)
+    G, BS, num_blocks, pairs_at, blocks_at, by_adapter = _list(lst, G0, BS0, B0, P0, BA0, BY0,
+                                                               G1, BS1, B1, P1, BA1, BY1)
+    i = tl.arange(0, NP)
+    key = tl.sort(_group_of(topk_ids_ptr, token_lora_ptr, i, n, top_k, E, G, by_adapter) * NP + i)
+    g, pair = key // NP, key % NP                                  # by group, ascending pairs inside
+    start = (i == 0) | (g != tl.gather(g, tl.maximum(i - 1, 0), 0))
+    end = (i == NP - 1) | (g != tl.gather(g, tl.minimum(i + 1, NP - 1), 0))
+    g_start = tl.associative_scan(tl.where(start, i, 0), 0, _max)
+    g_end = tl.associative_scan(tl.where(end, i, NP), 0, _min, reverse=True)
+    real = g < G
+    blocks = tl.where(start & real, (g_end - g_start + BS) // BS, 0)          # blocks of a group, at its start
+    first = tl.gather(tl.cumsum(blocks, 0) - blocks, g_start, 0)               # the group's first block
+    used = tl.sum(blocks, 0)
+    # the sentinel everywhere first, then the pairs over it; each group's id at its first block
+    for f in range(0, num_blocks * BS, FILL):
+        offs = f + tl.arange(0, FILL)
+        tl.store(sorted_pairs_ptr + pairs_at + offs, n + 0 * offs, mask=offs < num_blocks * BS)
+    for f in range(0, num_blocks, FILL):
+        offs = f + tl.arange(0, FILL)
+        tl.store(block_expert_ptr + blocks_at + offs, -1 + 0 * offs, mask=offs < num_blocks)
+    tl.debug_barrier()
+    tl.store(sorted_pairs_ptr + pairs_at + first * BS + (i - g_start), pair, mask=real)
+    tl.store(block_expert_ptr + blocks_at + first, g, mask=start & real & (blocks > 0))
+    tl.debug_barrier()
+    # groups ascend with the block index: a running max over the marks gives every block its group
+    carry = -1
+    for f in range(0, num_blocks, FILL):
+        offs = f + tl.arange(0, FILL)
+        ok = offs < num_blocks
+        mark = tl.load(block_expert_ptr + blocks_at + offs, mask=ok, other=-1)
+        group = tl.maximum(tl.associative_scan(mark, 0, _max), carry)
+        carry = tl.max(group, 0)
+        live = offs < used
+        tl.store(block_lora_ptr + blocks_at + offs, tl.where(live, group // E, -1), mask=ok)
+        tl.store(block_expert_ptr + blocks_at + offs, tl.where(live, group % E, -1), mask=ok)

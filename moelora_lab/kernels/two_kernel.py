@@ -3,9 +3,9 @@
 Shape legend: M tokens, k top-k, L adapters, E experts, r rank, K in, N out, S slices,
 BM = BLOCK_M pairs per block, B blocks.
 
-This is the "before" picture. Per call it moves the intermediate T [S, M*k, r] three times:
-the launcher zero-fills it, ``shrink_kernel`` writes the rows of the pairs that have an adapter,
-``expand_kernel`` reads them back. The tiles are sane (tensor-core dots, blocks of BM pairs sharing
+This is the "before" picture. Per call it moves the intermediate T [S, M*k, r] twice:
+``shrink_kernel`` writes the rows of the pairs that have an adapter, ``expand_kernel`` reads them
+back (the launcher allocates T uninitialised: the expand reads only what the shrink wrote). The tiles are sane (tensor-core dots, blocks of BM pairs sharing
 one (adapter, expert) weight), so what separates it from the one-shot kernel is the round trip and
 the extra launches, not sloppiness.
 """
@@ -19,7 +19,7 @@ from .common import block_rows, rank_tile, slice_pointers, slot_rank
 def shrink_kernel(
     x_ptr,             # [M, K] (TOKEN_ROWS) or [M*k, K]
     a0_ptr, a1_ptr,    # LoRA A of slices 0 and 1: [L, E, r, K]
-    t_ptr,             # [S, M*k, r] intermediate, x's dtype (zero-filled by the launcher)
+    t_ptr,             # [S, M*k, r] intermediate, x's dtype (uninitialised; written here)
     sorted_pairs_ptr, block_lora_ptr, block_expert_ptr,   # BlockList: [B*BM], [B], [B] int32
     lora_ranks_ptr,    # [L] int32 actual rank of each slot (read if HAS_RANKS)
     num_pairs, top_k, K, R,
@@ -37,7 +37,7 @@ def shrink_kernel(
         return
     r_lim = slot_rank(lora_ranks_ptr, lora, R, HAS_RANKS)
     if tl.program_id(2) * BLOCK_R >= r_lim:
-        return                                           # past the adapter's rank: T stays zero
+        return                                           # past the adapter's rank: never read
     expert = tl.load(block_expert_ptr + block)
     a_ptr, _ = slice_pointers(slice_id, a0_ptr, a1_ptr, a0_ptr, a1_ptr)
     a_ptr += lora.to(tl.int64) * stride_al + expert.to(tl.int64) * stride_ae

@@ -34,14 +34,13 @@ PARTS = (
     ("lora_b_copy_write", "#e5f5e0", "..", None),
     ("lora_a_copy_read", "#e5f5e0", "..", None),
     ("lora_b_copy_read", "#e5f5e0", "..", None),
-    ("intermediate_zero", "#fcbba1", "//", "T zero-fill"),
     ("intermediate_write", "#fb6a4a", "//", "T write (shrink)"),
     ("intermediate_read", "#a50f15", "//", "T read (expand)"),
     ("out_read", "#cbc9e2", "", "out read"),
     ("out_write", "#6a51a3", "", "out write"),
 )
-GROUPS = {"x": ("x",), "weights": ("lora_a", "lora_b"), "intermediate": ("intermediate_zero",
-          "intermediate_write", "intermediate_read"), "out": ("out_read", "out_write")}
+GROUPS = {"x": ("x",), "weights": ("lora_a", "lora_b"), "intermediate": ("intermediate_write", "intermediate_read"),
+          "out": ("out_read", "out_write")}
 
 
 def _shape(shape) -> MoEShape:
@@ -150,7 +149,7 @@ def draw_bytes_breakdown(ax, traffics: Mapping[str, Traffic], *, unit: str = "au
 
 
 def draw_intermediate_share(ax, rows, *, label: str | None = None, color=None, marker: str = "o") -> None:
-    """Share of the rank intermediate T (zero-fill + write + read) in the two-kernel path's bytes against M
+    """Share of the rank intermediate T (shrink's write + expand's read) in the two-kernel path's bytes against M
     (two-kernel rows of ``traffic_table``; call once per series)."""
     check_ax(ax)
     rows = check_rows("rows", rows, ("M", "path", "intermediate_share"))
@@ -267,7 +266,7 @@ def draw_ratio_vs_predicted(ax, points, *, highlight: tuple | None = None) -> No
     ax.axhline(1.0, color="gray", linewidth=1, linestyle=":", zorder=1)
     ax.annotate("one-shot faster ↑\ntwo-kernel faster ↓", (1, 1), xycoords=("axes fraction", "data"),
                 xytext=(-4, 0), textcoords="offset points", ha="right", va="center", fontsize=9, color="dimgray")
-    ax.set_xlabel("predicted: two-kernel bytes / one-shot bytes (= 1 + T's three passes / one-shot bytes)")
+    ax.set_xlabel("predicted: two-kernel bytes / one-shot bytes (= 1 + T's write and read / one-shot bytes)")
     ax.set_ylabel("measured: two-kernel time / one-shot time")
     ax.grid(True, alpha=0.3)
     handles = ([Line2D([], [], color="black", linewidth=1.2, label="y = x: time follows bytes"),

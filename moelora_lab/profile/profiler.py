@@ -81,6 +81,24 @@ def kernel_label(name: str) -> str:
     return short + (" [fill]" if "FillFunctor" in name else "")
 
 
+def stage_kernels(records: list[dict], stage: str) -> tuple[str, ...]:
+    """The kernels of one stage, in launch order, as short names: ``kernel_label`` without its
+    ``_kernel`` suffix, ``fill`` for PyTorch's fill kernel (``torch.zeros``). ``records``: stage
+    records with their kernel names (``kineto_cases``, ``capture_profiler_timeline``); a stage on
+    several streams lists them stream after stream; () where no record of ``stage`` has kernels."""
+    if not isinstance(stage, str):
+        raise TypeError(f"stage: expected a stage name (str), got {type(stage).__name__}")
+    if isinstance(records, (str, bytes, dict)) or not hasattr(records, "__iter__"):
+        raise TypeError(f"records: expected a list of stage records, got {type(records).__name__}")
+    names = []
+    for i, r in enumerate(records):
+        if not isinstance(r, dict) or "name" not in r:
+            raise TypeError(f"records[{i}]: expected a stage record (a dict with 'name' and 'kernels'), got {r!r}")
+        if r["name"] == stage:
+            names += [kernel_label(k) for k in r.get("kernels", ())]
+    return tuple("fill" if n.endswith(" [fill]") else n.removesuffix("_kernel") for n in names)
+
+
 def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 

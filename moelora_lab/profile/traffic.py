@@ -175,8 +175,8 @@ def lora_op_traffic(
     common      x read X*K*b; out written P*S*N*b (and read P*S*N*b when add_inputs);
                 FLOPs 2*P*S*r*(K+N) (+ P*S*N when add_inputs).
     one_shot    weights T*W1*b, 1 launch.
-    two_kernel  weights T*W1*b; intermediate [S, M, k, r] of bi = intermediate_bytes or b:
-                zero-fill S*M*k*r*bi, shrink writes P*S*r*bi, expand reads P*S*r*bi; 3 launches.
+    two_kernel  weights T*W1*b; intermediate [S, M, k, r] of bi = intermediate_bytes or b, allocated
+                uninitialised: shrink writes P*S*r*bi, expand reads P*S*r*bi; 2 launches.
     small_batch one program per pair, weights P*W1*b, 1 launch.
     gather_bmm  (a PyTorch baseline, not a path of the op) gather + bmm: weights read P*W1*b, per-pair copy written P*W1*b and read again
                 P*W1*b; fp32 intermediate (bi = intermediate_bytes or 4) written and read P*S*r*bi.
@@ -208,12 +208,9 @@ def lora_op_traffic(
     launches = 1
     if path == "two_kernel":
         bi = intermediate_bytes or b
-        writes += [
-            ("intermediate_zero", s * wl.num_tokens * wl.top_k * r * bi),
-            ("intermediate_write", p * s * r * bi),
-        ]
+        writes.append(("intermediate_write", p * s * r * bi))
         reads.append(("intermediate_read", p * s * r * bi))
-        launches = 3
+        launches = 2
     elif path == "gather_bmm":
         bi = intermediate_bytes or 4
         writes += [
