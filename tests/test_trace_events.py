@@ -155,6 +155,7 @@ def test_load_torch_profiler_file(tmp_path, tid):
     assert renamed == traces
 
 
+@pytest.mark.filterwarnings("ignore:Warning. Profiler clears events:UserWarning")
 def test_load_real_cpu_profiler_export(tmp_path):
     """A file torch.profiler really writes (CPU activity here): without kernels every complete event counts."""
     import torch
