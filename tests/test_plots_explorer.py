@@ -2,9 +2,10 @@
 that offer no choice; shows a hint where no kernel ran the cell and the error where a draw fails."""
 import threading
 
-import ipywidgets as widgets
 import matplotlib.pyplot as plt
 import pytest
+
+widgets = pytest.importorskip("ipywidgets")      # the lab extra (absent from a bare GPU image)
 
 from moelora_lab.plots.explorer import Explorer, check_controls, label_width
 
