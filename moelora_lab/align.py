@@ -40,6 +40,8 @@ def block_list_device(topk_ids: torch.Tensor, token_lora: torch.Tensor, num_expe
 def _block_tensors_device(topk_ids, token_lora, num_experts: int, lists) -> list[tuple]:
     """(sorted_pairs, block_lora, block_expert) of each list, for checked shapes. ``lists`` holds
     (L, block size) per list, L = None for a list grouped by expert only."""
+    if len(lists) > 2:
+        raise ValueError(f"lists: at most two block lists per call, got {len(lists)}")
     M, k = topk_ids.shape
     n, E, dev = M * k, num_experts, topk_ids.device
     rows, pairs_at, blocks_at = [], 0, 0
@@ -48,34 +50,30 @@ def _block_tensors_device(topk_ids, token_lora, num_experts: int, lists) -> list
         B = max_blocks(n, E, L or 1, bs)
         rows.append((G, bs, B, pairs_at, blocks_at, int(L is not None)))
         pairs_at, blocks_at = pairs_at + B * bs, blocks_at + B
-    if len(rows) > 2:
-        raise ValueError(f"lists: at most two block lists per call, got {len(rows)}")
-    scalars = [v for row in (rows + rows)[:2] for v in row]          # LIST_ARGS of both lists
-    GP = triton.next_power_of_2(max(r[0] for r in rows) + 1)
-    NL, NC = len(rows), max(1, triton.cdiv(n, SUB))
-    BB = max(1, min(64, 4096 // GP))
-    NT = max(triton.cdiv(r[2], BB) for r in rows)
+    scalars = [v for row in (rows + rows)[:2] for v in row]    # the kernels' G0 .. BY1 (one list fills both)
+    NL = len(rows)
     pairs = torch.empty(pairs_at, dtype=torch.int32, device=dev)
     block_lora = torch.empty(blocks_at, dtype=torch.int32, device=dev)
     block_expert = torch.empty(blocks_at, dtype=torch.int32, device=dev)
     ids = topk_ids.reshape(-1)
     lora = token_lora if token_lora is not None else ids        # never read for lists by expert
+    out = (pairs, block_lora, block_expert)
     with on_device(topk_ids):
         if n <= SORT_MAX_PAIRS:
             NP = triton.next_power_of_2(max(n, 1))
-            sort_kernel[(NL,)](ids, lora, pairs, block_lora, block_expert, n, k, E, *scalars, NP=NP, FILL=1024,
+            sort_kernel[(NL,)](ids, lora, *out, n, k, E, *scalars, NP=NP, FILL=1024,
                                num_warps=max(4, min(16, NP // 256)))
         else:
-            common = dict(SUB=SUB, GP=GP)
+            GP = triton.next_power_of_2(max(r[0] for r in rows) + 1)
+            NC, GB, BB = triton.cdiv(n, SUB), min(GP, 64), max(1, min(64, 4096 // GP))
+            NT = max(triton.cdiv(r[2], BB) for r in rows)
             counts = torch.empty(NL, NC, GP, dtype=torch.int32, device=dev)
             totals = torch.empty(NL, GP, dtype=torch.int32, device=dev)
-            count_kernel[(NC, NL)](ids, lora, counts, n, k, E, NC, *scalars, **common)
-            GB = min(GP, 64)
-            CT = max(1, min(triton.next_power_of_2(NC), SCAN_TILE // GB))
-            scan_kernel[(GP // GB, NL)](counts, totals, NC, CT=CT, GB=GB, GP=GP)
-            place_kernel[(NC + NT, NL)](ids, lora, counts, totals, pairs, block_lora, block_expert, n, k, E, NC,
-                                        *scalars, BB=BB, BSP=triton.next_power_of_2(max(r[1] for r in rows)),
-                                        **common)
+            count_kernel[(NC, NL)](ids, lora, counts, n, k, E, NC, *scalars, SUB=SUB, GP=GP)
+            scan_kernel[(GP // GB, NL)](counts, totals, NC, CT=max(1, min(triton.next_power_of_2(NC), SCAN_TILE // GB)),
+                                        GB=GB, GP=GP)
+            place_kernel[(NC + NT, NL)](ids, lora, counts, totals, *out, n, k, E, NC, *scalars, SUB=SUB, GP=GP, BB=BB,
+                                        BSP=triton.next_power_of_2(max(r[1] for r in rows)))
     return [(pairs[p: p + B * bs], block_lora[b: b + B], block_expert[b: b + B]) for _, bs, B, p, b, _ in rows]
 
 

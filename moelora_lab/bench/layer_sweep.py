@@ -10,8 +10,8 @@ Variants per (preset, M, rank), each timed as a CUDA-graph replay with L2 flushe
   grouped_mm              torch._grouped_mm on rows already grouped by expert (a strong reference)
 Routing metadata is built once per case outside the timed region (``plan_layer``) and timed apart
 as ``plan``; ``no_lora_plan`` and ``auto_plan`` time the layer with its plan built inside the call,
-as a model pays it in every MoE layer. Next to the byte floor, ``roofline_us`` is max(byte floor, FLOPs / the bf16 matmul rate
-measured in the same run): past the ridge the layer is compute-bound and the byte floor alone is
+as a model pays it in every MoE layer. Next to the byte floor, ``roofline_us`` is max(byte floor,
+FLOPs / the bf16 matmul rate measured in the same run): past the ridge the layer is compute-bound and the byte floor alone is
 out of reach. Timelines of the sequential and dual-stream layer are captured for ``--trace-tokens``
 x ``--trace-ranks`` and saved to one JSON file. LoRA B is stored N-fastest (``pack_lora_b``), the
 layout the library recommends. ``--side-priority default`` runs the side stream at default priority
@@ -40,6 +40,9 @@ NAME = "layer"
 VARIANTS = ("no_lora", "sequential", "dual_stream", "fused", "auto", "sequential_vllm_join",
             "dual_stream_vllm_join", "base_gemms", "grouped_mm", "plan", "no_lora_plan", "auto_plan")
 NO_LORA = ("no_lora", "base_gemms", "grouped_mm", "plan", "no_lora_plan")
+# the schedule each LoRA-layer variant asks for (``schedule`` records what it really ran)
+SCHEDULE_OF = {"sequential": "sequential", "dual_stream": "dual_stream", "fused": "fused", "auto": "auto",
+               "sequential_vllm_join": "sequential", "dual_stream_vllm_join": "dual_stream", "auto_plan": "auto"}
 
 
 def add_parser(sub):
@@ -118,13 +121,14 @@ def run_layer(args) -> tuple[list[dict], dict]:
                 med = p20 = p80 = ""
                 error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
             floor = floors[name not in NO_LORA]
-            path = {"fused": "in_gemm", "auto": plan_a.lora_path, "auto_plan": plan_a.lora_path}.get(name, plan_l.lora_path)
+            asks = SCHEDULE_OF.get(name)
+            path = "in_gemm" if asks == "fused" else plan_a.lora_path if asks == "auto" else plan_l.lora_path
             ran = ""
-            if name in VARIANTS[1:7] + ("auto_plan",):   # the schedule that really ran (auto resolved, CPU: sequential)
+            if asks:                           # the schedule that really ran (auto resolved, CPU: sequential)
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", RuntimeWarning)
-                    ran = resolve_schedule(name.removesuffix("_vllm_join").removesuffix("_plan"), torch.device(device()), num_pairs=M * k,
-                                           num_experts=E, fits=plan_f is not None)
+                    ran = resolve_schedule(asks, torch.device(device()), num_pairs=M * k, num_experts=E,
+                                           fits=plan_f is not None)
             rows.append(dict(preset=preset, M=M, rank=rank, loras=L, variant=name, schedule=ran, lora_path=path,
                              side_priority=args.side_priority if ran == "dual_stream" else "",
                              us_median=med, us_p20=p20, us_p80=p80, floor_bytes=floor.bytes,

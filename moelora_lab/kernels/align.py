@@ -47,6 +47,12 @@ def _group_of(topk_ids_ptr, token_lora_ptr, pairs, n, top_k, E, G, by_adapter):
 
 
 @triton.jit
+def _earlier(g, ii):
+    """For each pair of a chunk, how many pairs before it in the chunk share its group ([SUB, SUB] compare)."""
+    return tl.sum(((g[:, None] == g[None, :]) & (ii[None, :] < ii[:, None])).to(tl.int32), 1)
+
+
+@triton.jit
 def count_kernel(
     topk_ids_ptr,      # [n] int32/int64 expert of each pair
     token_lora_ptr,    # [M] int32/int64 adapter of each token, -1 = none
@@ -60,9 +66,8 @@ def count_kernel(
     G, _, _, _, _, by_adapter = _list(lst, G0, BS0, B0, P0, BA0, BY0, G1, BS1, B1, P1, BA1, BY1)
     ii = tl.arange(0, SUB)
     g = _group_of(topk_ids_ptr, token_lora_ptr, chunk * SUB + ii, n, top_k, E, G, by_adapter)
-    same = g[:, None] == g[None, :]                                                # [SUB, SUB]
-    count = tl.sum(same.to(tl.int32), 1)
-    lead = tl.sum((same & (ii[None, :] < ii[:, None])).to(tl.int32), 1) == 0       # first of its group here
+    count = tl.sum((g[:, None] == g[None, :]).to(tl.int32), 1)                     # [SUB, SUB] compare
+    lead = _earlier(g, ii) == 0                                                    # first of its group here
     row = counts_ptr + (lst * num_chunks + chunk).to(tl.int64) * GP
     tl.store(row + tl.arange(0, GP), tl.zeros((GP,), dtype=tl.int32))
     tl.debug_barrier()
@@ -118,8 +123,7 @@ def place_kernel(
         g = _group_of(topk_ids_ptr, token_lora_ptr, pairs, n, top_k, E, G, by_adapter)
         before = tl.load(counts_ptr + (lst * num_chunks + pid).to(tl.int64) * GP + groups)
         safe = tl.where(g < G, g, 0)
-        earlier = tl.sum(((g[:, None] == g[None, :]) & (ii[None, :] < ii[:, None])).to(tl.int32), 1)
-        pos = tl.gather(first, safe, 0) * BS + tl.gather(before, safe, 0) + earlier
+        pos = tl.gather(first, safe, 0) * BS + tl.gather(before, safe, 0) + _earlier(g, ii)
         tl.store(sorted_pairs_ptr + pairs_at + pos, pairs, mask=g < G)
     else:
         # table: the group of each block (the last group starting at or before it), and the sentinel
