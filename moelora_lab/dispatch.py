@@ -109,6 +109,15 @@ def choose_path(num_pairs: int, num_experts: int, num_loras: int, rank: int) -> 
     return "one_shot"
 
 
+def choice_rank(rank: int, lora_ranks: torch.Tensor | None) -> int:
+    """The rank ``auto`` picks a path by: the largest real rank of ``lora_ranks`` ([L] per-slot ranks,
+    at most ``rank``) when it can be read without a device synchronisation (a CPU tensor); otherwise
+    the weights' rank r."""
+    if lora_ranks is None or lora_ranks.numel() == 0 or lora_ranks.device.type != "cpu":
+        return rank
+    return max(0, min(rank, int(lora_ranks.max())))
+
+
 def choose_config(path: str, num_pairs: int, num_groups: int, n_out: int, num_slices: int,
                   device: torch.device, *, rank: int | None = None) -> KernelConfig:
     """Tiles for ``path`` given the pairs, the number of (adapter, expert) groups they touch and

@@ -44,7 +44,7 @@ import torch
 from ._backend import INTERPRET, on_device
 from .align import make_block_lists
 from .blocks import LayerPlan, RoutingStamp
-from .dispatch import choose_config
+from .dispatch import choice_rank, choose_config
 from .moe import (MAX_FUSED_COLUMNS, GemmLoRA, fused_columns, gemm_tiles, moe_gemm, silu_and_mul,
                   topk_sum)
 from .ops import run_lora
@@ -98,7 +98,7 @@ def gpu_schedule(num_pairs: int, num_experts: int) -> str:
 
 def plan_layer(topk_ids, token_lora, num_experts: int, num_loras: int | None, rank: int | None, *,
                hidden: int | None = None, intermediate: int | None = None, lora_path: str = "auto",
-               schedule: str = "auto", validate: bool = True) -> LayerPlan:
+               schedule: str = "auto", validate: bool = True, lora_ranks: torch.Tensor | None = None) -> LayerPlan:
     """Build the routing metadata (and pick the LoRA path) for :func:`moe_lora_layer`.
 
     ``num_loras=None`` plans a layer without LoRA; otherwise ``rank`` is the LoRA rank r of the
@@ -107,7 +107,8 @@ def plan_layer(topk_ids, token_lora, num_experts: int, num_loras: int | None, ra
     device synchronisation, that it gets the tensors the plan was made from, unchanged.
     ``validate=False`` skips the id-range checks (one synchronisation) for routing already checked;
     the layer then checks the ids itself unless it is told ``validate=False`` too. A plan for
-    ``schedule="fused"`` has no LoRA blocks: the base GEMMs carry the LoRA.
+    ``schedule="fused"`` has no LoRA blocks: the base GEMMs carry the LoRA. ``lora_ranks`` ([L] per-slot
+    ranks, on the CPU) lets ``lora_path="auto"`` pick by the largest real rank instead of r.
     """
     E = check_int("num_experts", num_experts, low=1)
     if num_loras is not None:
@@ -116,6 +117,7 @@ def plan_layer(topk_ids, token_lora, num_experts: int, num_loras: int | None, ra
             raise TypeError("rank: expected an int (the LoRA rank r of the weights) when num_loras is given; pass "
                             "num_loras=None to plan a layer without LoRA")
         check_int("rank", rank, low=0)
+        check_lora_ranks(lora_ranks, num_loras, rank)
     check_choice("schedule", schedule, SCHEDULES)
     get_path(lora_path, "lora_path", KERNEL_CHOICES)
     L = num_loras or ANY_SLOT
@@ -133,7 +135,7 @@ def plan_layer(topk_ids, token_lora, num_experts: int, num_loras: int | None, ra
             in_gemm = num_loras is not None and rank != 0
             return LayerPlan(base, None, "in_gemm" if in_gemm else None, **plan)
         path = resolve_path(lora_path, num_pairs=P, num_experts=E, num_loras=num_loras, rank=rank,
-                            add_inputs=False, token_rows=True)
+                            add_inputs=False, token_rows=True, choice_rank=choice_rank(rank, lora_ranks))
         cfg = choose_config(path, P, min(P, num_loras * E), intermediate or 1, 2, topk_ids.device, rank=rank)
         # both block lists from one construction (the same launches on a GPU)
         base, lora = make_block_lists(topk_ids, token_lora, E, [base_list, (num_loras, cfg.block_m)],
@@ -176,7 +178,8 @@ def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=No
     tracer : profile.timeline.Tracer, optional
         Records per-stream intervals of every stage.
     lora_ranks : torch.Tensor, optional
-        [L] int actual rank of each slot, as in :func:`moelora_lab.moe_lora`.
+        [L] int actual rank of each slot, as in :func:`moelora_lab.moe_lora` (given on the CPU,
+        ``lora_path="auto"`` picks by the largest real rank).
     side_priority : str
         'highest' or 'default', the priority of the side stream when two streams run.
     validate : bool
@@ -222,7 +225,7 @@ def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=No
     with on_device(x):
         if plan is None:
             plan = plan_layer(topk_ids, token_lora, E, L, r, hidden=H, intermediate=I, lora_path=lora_path,
-                              schedule=run, validate=False)
+                              schedule=run, validate=False, lora_ranks=lora_ranks)
         if lora_ranks is not None:
             lora_ranks = lora_ranks.to(device=x.device, dtype=torch.int32).contiguous()
         weights = topk_weights.reshape(-1).float().contiguous()

@@ -16,7 +16,7 @@ import torch
 from ._backend import INTERPRET, on_device
 from .align import make_blocks
 from .blocks import BlockList
-from .dispatch import KernelConfig, choose_config
+from .dispatch import KernelConfig, choice_rank, choose_config
 from .paths import PATHS, LoRACall, resolve_path
 from .validate import (check_blocks, check_enabled, check_lora_ranks, check_op_inputs, check_output,
                        check_tensor, check_values, routing_ranges)
@@ -84,6 +84,8 @@ def moe_lora(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, *, path: str
     lora_ranks : torch.Tensor, optional
         [L] int: the actual rank of each slot (<= r); the Triton paths read only that many rows of A
         and columns of B (weights past it are never read). Rank 0 (a slot, or r itself) adds nothing.
+        Given on the CPU, ``path="auto"`` picks by the largest real rank instead of r (a device
+        tensor would cost a synchronisation to read: there it picks by r).
     validate : bool
         False skips the id-range checks (one device synchronisation per call) for ids you have
         checked; shapes, dtypes, devices and reused ``blocks`` are always checked.
@@ -114,7 +116,7 @@ def moe_lora(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, *, path: str
                      lora_a=lora_a, lora_b=lora_b, enabled=enabled, lora_ranks=lora_ranks)
     token_rows = not (x.shape[0] == M * k and k > 1)
     path = resolve_path(path, num_pairs=M * k, num_experts=E, num_loras=L, rank=R, add_inputs=add_inputs,
-                        token_rows=token_rows)
+                        token_rows=token_rows, choice_rank=choice_rank(R, lora_ranks))
     if validate:
         check_values(ranges + ([] if checked else routing_ranges(topk_ids, token_lora, E, L)))
     if M == 0:

@@ -226,12 +226,13 @@ def paths_markdown() -> str:
 
 
 def resolve_path(path: str, *, num_pairs: int, num_experts: int, num_loras: int, rank: int, add_inputs: bool,
-                 token_rows: bool) -> str:
-    """The path a call runs: ``auto`` follows the measured rule (``dispatch.choose_path``) among the
-    paths that support the call; an explicit path must support it (a ValueError says why not)."""
+                 token_rows: bool, choice_rank: int | None = None) -> str:
+    """The path a call runs: ``auto`` follows the measured rule (``dispatch.choose_path``, at
+    ``choice_rank``: the slots' real rank when known, else ``rank``) among the paths that support
+    the call at the weights' ``rank``; an explicit path must support it (a ValueError says why not)."""
     get_path(path)
     if path == "auto":
-        preferred = choose_path(num_pairs, num_experts, num_loras, rank)
+        preferred = choose_path(num_pairs, num_experts, num_loras, rank if choice_rank is None else choice_rank)
         order = [preferred] + [n for n in TRITON_PATHS if n != preferred]
         for name in order:
             if PATHS[name].unsupported(rank, add_inputs, token_rows) is None:

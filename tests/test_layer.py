@@ -118,6 +118,16 @@ def test_layer_with_actual_adapter_ranks(device):
         moe_lora_layer(**p.layer_inputs(), lora_ranks=ranks[:2])
 
 
+def test_plan_picks_the_lora_path_by_the_real_ranks(device):
+    p = problem(device, seed=5)
+    E = SHAPE.num_experts
+    assert plan_layer(p.topk_ids, p.token_lora, E, 3, 128).lora_path == "two_kernel"        # by r = 128
+    ranks = torch.tensor([8, 4, 16])                                                         # on the CPU: read
+    assert plan_layer(p.topk_ids, p.token_lora, E, 3, 128, lora_ranks=ranks).lora_path == "one_shot"
+    with pytest.raises(ValueError, match="lora_ranks: expected shape \\(3,\\)"):
+        plan_layer(p.topk_ids, p.token_lora, E, 3, 128, lora_ranks=ranks[:2])
+
+
 def test_plan_is_reused_and_validated(device):
     p = problem(device, seed=5)
     plan = plan_layer(p.topk_ids, p.token_lora, SHAPE.num_experts, 3, 8, intermediate=SHAPE.intermediate)

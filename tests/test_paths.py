@@ -67,3 +67,15 @@ def test_every_path_of_the_table_runs(device, name):
     p = lora_case(6, device=device, seed=41, no_adapter_fraction=0.3)
     out = ml.moe_lora(**p.w13_lora_inputs(), path=name)
     assert_close(out, ml.moe_lora_reference(**p.w13_lora_inputs()), torch.float32)
+
+
+def test_auto_picks_by_the_real_ranks_given_on_the_cpu():
+    from moelora_lab.dispatch import choice_rank
+    assert choice_rank(128, None) == 128
+    assert choice_rank(128, torch.tensor([8, 4, 0])) == 8
+    assert choice_rank(16, torch.tensor([99])) == 16                     # never past the weights' rank
+    assert choice_rank(128, torch.tensor([8], device="meta")) == 128     # a device tensor is not read (no sync)
+    kw = dict(num_pairs=64, num_experts=128, num_loras=4, add_inputs=False, token_rows=True)
+    assert resolve_path("auto", rank=128, **kw) == "two_kernel"
+    assert resolve_path("auto", rank=128, choice_rank=8, **kw) == "one_shot"
+    assert resolve_path("two_kernel", rank=128, choice_rank=8, **kw) == "two_kernel"   # an explicit path stays
