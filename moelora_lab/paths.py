@@ -144,28 +144,52 @@ def launch_one_shot(call: LoRACall, cfg: KernelConfig | None = None):
 
 
 def launch_two_kernel(call: LoRACall, cfg: KernelConfig | None = None) -> None:
-    x, blocks, out2d, weights = call.x, call.blocks, call.out2d, call.weights()
     M, k, L, E, R, K, N, S = call.dims
     cfg = _block_config(call, cfg, "two_kernel")
-    block_r, rank_tiles = cfg.rank_tiling(R)
-    ranks, has_ranks = call.ranks_or(blocks.block_lora), call.lora_ranks is not None
     # [S, P, r] in HBM, uninitialised: the shrink writes every row and rank the expand reads (the
     # rows of pairs with an adapter, the ranks below the slot's rank)
-    inter = torch.empty(S, M * k, R, dtype=x.dtype, device=x.device)
-    for s0 in range(0, S, 2):
-        ns = min(2, S - s0)
+    inter = torch.empty(S, M * k, R, dtype=call.x.dtype, device=call.x.device)
+    launch_shrink(call.x, call.lora_a, inter, call.blocks, cfg, top_k=k, token_rows=call.token_rows,
+                  lora_ranks=call.lora_ranks)
+    launch_expand(inter, call.lora_b, call.out2d, call.weights(), call.blocks, cfg,
+                  mul_routed_weight=call.mul_routed_weight, add_inputs=call.add_inputs, lora_ranks=call.lora_ranks)
+
+
+def launch_shrink(x, lora_a, inter, blocks: BlockList, cfg: KernelConfig, *, top_k: int, token_rows: bool,
+                  lora_ranks=None) -> None:
+    """The shrink alone: inter[s, p, :r_l] = A_s[l, e] x_p for the blocks' pairs (inter [S, P, R], R =
+    A's rank dim; ``lora_ranks`` [L] int32 caps each slot's rows). The sharded layers run it apart
+    from the expand, with a collective between the two."""
+    R, K = lora_a[0].shape[2], lora_a[0].shape[3]
+    block_r, rank_tiles = cfg.rank_tiling(R)
+    ranks = blocks.block_lora if lora_ranks is None else lora_ranks
+    for s0 in range(0, len(lora_a), 2):
+        ns = min(2, len(lora_a) - s0)
         t = inter[s0:s0 + ns]
         shrink_kernel[(blocks.num_blocks, ns, rank_tiles)](
-            x, *_slices(call.lora_a, s0), t, *blocks.tensors, ranks,
-            M * k, k, K, R, x.stride(0), x.stride(1), *call.lora_a[0].stride(), *t.stride(),
-            BLOCK_M=blocks.block_size, BLOCK_K=cfg.block_k, BLOCK_R=block_r, TOKEN_ROWS=call.token_rows,
-            DOT_PRECISION=_precision(x), HAS_RANKS=has_ranks, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            x, *_slices(lora_a, s0), t, *blocks.tensors, ranks,
+            inter.shape[1], top_k, K, R, x.stride(0), x.stride(1), *lora_a[0].stride(), *t.stride(),
+            BLOCK_M=blocks.block_size, BLOCK_K=cfg.block_k, BLOCK_R=block_r, TOKEN_ROWS=token_rows,
+            DOT_PRECISION=_precision(x), HAS_RANKS=lora_ranks is not None, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
+
+
+def launch_expand(inter, lora_b, out2d, weights, blocks: BlockList, cfg: KernelConfig, *, mul_routed_weight: bool,
+                  add_inputs: bool, lora_ranks=None) -> None:
+    """The expand alone: out2d[p, s*N:(s+1)*N] (+)= w_p B_s[l, e] inter[s, p] (inter [S, P, R], B
+    [L, E, N, R]; out2d [P, >= S*N] rows, a column slice of a wider buffer is fine)."""
+    N, R = lora_b[0].shape[2], lora_b[0].shape[3]
+    block_r, _ = cfg.rank_tiling(R)
+    ranks = blocks.block_lora if lora_ranks is None else lora_ranks
+    for s0 in range(0, len(lora_b), 2):
+        ns = min(2, len(lora_b) - s0)
+        t = inter[s0:s0 + ns]
         expand_kernel[(blocks.num_blocks, ns, triton.cdiv(N, cfg.block_n))](
-            t, *_slices(call.lora_b, s0), out2d, weights, *blocks.tensors, ranks, M * k, N, R, s0 * N,
-            *t.stride(), *call.lora_b[0].stride(), *out2d.stride(),
+            t, *_slices(lora_b, s0), out2d, weights, *blocks.tensors, ranks, inter.shape[1], N, R, s0 * N,
+            *t.stride(), *lora_b[0].stride(), *out2d.stride(),
             BLOCK_M=blocks.block_size, BLOCK_N=cfg.block_n, BLOCK_R=block_r,
-            MUL_ROUTED_WEIGHT=call.mul_routed_weight, ADD_INPUTS=call.add_inputs, DOT_PRECISION=_precision(x),
-            HAS_RANKS=has_ranks, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            MUL_ROUTED_WEIGHT=mul_routed_weight, ADD_INPUTS=add_inputs, DOT_PRECISION=_precision(inter),
+            HAS_RANKS=lora_ranks is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def launch_small_batch(call: LoRACall, cfg: KernelConfig | None = None) -> None:

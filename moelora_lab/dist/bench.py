@@ -1,0 +1,234 @@
+"""``python -m moelora_lab.dist.bench``: the distributed layers on W local GPUs (NCCL), checked and timed.
+
+Shape legend: M tokens per rank, E experts, k top-k, L adapters, r rank, H hidden, W ranks.
+
+Writes to ``--out`` (default ``moelora_lab/data/h200x2``):
+
+* ``dist_checks.csv``: each distributed layer against the single-GPU layer and the spec (bf16);
+* ``dist_collectives.csv``: all-to-all, all-reduce and all-gather alone, by size (the latency and
+  link rate the communication model uses);
+* ``dist_steps.csv``: every stage of ``ep_layer`` and ``tp_layer`` (median over repetitions, CUDA
+  events on the compute stream, a barrier before each repetition), the bytes ``dist.comm`` says the
+  collectives send, and the single-GPU layer on the same tokens;
+* ``dist_trace.json``: one expert-parallel prefill call with one and with two micro-batches,
+  ``torch.profiler``'s GPU activity of every rank, one process per GPU (Chrome trace format).
+
+NVLink multicast stays off (``NCCL_NVLS_ENABLE=0``, set by ``run_local`` unless already set).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..bench import common
+from ..config import LoRAShape, MoEShape, layer_lora_weights
+from ..layer import moe_lora_layer
+from ..profile import timing
+from ..profile.timeline import Tracer
+from ..results import DATA_DIR, write_csv
+from .checks import default_case, ep_case, tp_case
+from .comm import ep_bytes, tp_bytes
+from .ep import ep_layer
+from .launch import run_local
+from .partition import LORA_KEYS, ExpertPartition, shard_tp
+from .tp import _all_gather, tp_layer
+
+OUT = DATA_DIR.parent / "h200x2"
+SIZES = [1 << p for p in range(12, 29, 2)]          # 4 KiB .. 256 MiB per rank
+
+
+def _events_us(fn, reps: int, warmup: int = 3) -> tuple[list, dict]:
+    """Total µs per repetition and {stage: [µs]} (Tracer on the compute stream), a barrier first."""
+    totals, stages = [], {}
+    for i in range(warmup + reps):
+        tracer = Tracer()
+        dist.barrier()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(tracer)
+        end.record()
+        records = tracer.records()
+        if i >= warmup:
+            totals.append(start.elapsed_time(end) * 1e3)
+            for r in records:
+                stages.setdefault(r["name"], []).append(r["end_us"] - r["start_us"])
+    return totals, stages
+
+
+def collectives(rank, world, reps) -> list[dict]:
+    rows = []
+    for size in SIZES:
+        n = size // 2
+        x = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        ops = {"all_to_all": (lambda: dist.all_to_all_single(torch.empty_like(x), x)) if n % world == 0 else None,
+               "all_reduce": lambda: dist.all_reduce(x),
+               "all_gather": lambda: _all_gather(x.new_empty(world * n), x)}
+        for op, fn in ops.items():
+            if fn is None:
+                continue
+            totals, _ = _events_us(lambda tracer: fn(), reps)
+            rows.append(dict(op=op, bytes_per_rank=size, us_median=round(statistics.median(totals), 2),
+                             us_min=round(min(totals), 2)))
+    return rows
+
+
+def _setup(shape, M, rank, world, L, rank_r, seed):
+    """This rank's tokens and routing, the full weights (the same on every GPU) and LoRA of rank r."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    w13, w2 = common.base_weights(shape, gen, torch.bfloat16)
+    lora = layer_lora_weights(shape, L, rank_r, gen, torch.bfloat16)
+    ids, weights, token_lora = common.sweep_routing(shape, L, M, seed + 1000 * (rank + 1))
+    x = torch.randn(M, shape.hidden, device="cuda", dtype=torch.bfloat16)
+    routing_all = [common.sweep_routing(shape, L, M, seed + 1000 * (w + 1))[0] for w in range(world)]
+    return x, ids, weights, token_lora, dict(w13=w13, w2=w2, **lora), routing_all
+
+
+def steps(rank, world, args) -> list[dict]:
+    shape = MoEShape.from_name(args.preset)
+    part = ExpertPartition(shape.num_experts, world)
+    rows = []
+    for M in args.tokens:
+        for r in args.ranks:
+            x, ids, wts, tl, full, routing_all = _setup(shape, M, rank, world, args.loras, r, args.seed)
+            base = dict(w13=full["w13"], w2=full["w2"])
+            lora = {key: full[key] for key in LORA_KEYS}
+            # TP serves every rank's tokens: W*M rows, the same on all ranks
+            X, IDS, WTS, TL = (torch.cat([t] * world) for t in (x, ids, wts, tl))
+            cases = {}
+            for with_lora in (False, True):
+                tag = f"r{r}" if with_lora else "none"
+                if with_lora or r == args.ranks[0]:
+                    w = dict(base, **lora) if with_lora else base
+                    local = part.shard(w, rank)
+                    cases[("ep", tag, 1)] = lambda tr, local=local: ep_layer(x, ids, wts, tl, local, part, tracer=tr)
+                    cases[("single_gpu", tag, 1)] = (lambda tr, w=w: moe_lora_layer(
+                        x, ids, wts, tl, w["w13"], w["w2"], *(w.get(key) for key in LORA_KEYS), tracer=tr))
+                    for fs in ((False, True) if with_lora else (False,)):
+                        shard = shard_tp(w, rank, world, fully_sharded=fs)
+                        name = "tp_fully_sharded" if fs else "tp"
+                        cases[(name, tag, 1)] = (lambda tr, shard=shard, fs=fs: tp_layer(
+                            X, IDS, WTS, TL, shard, fully_sharded=fs, tracer=tr))
+            local = part.shard(dict(base, **lora), rank)
+            cases[("ep", f"r{r}", 2)] = lambda tr: ep_layer(x, ids, wts, tl, local, part, tracer=tr, micro_batches=2)
+            model = ep_bytes(routing_all, part, shape.hidden)
+            for (layer, tag, mb), fn in cases.items():
+                totals, stages = _events_us(fn, args.reps)
+                comm = _comm_bytes(layer, rank, world, M, shape, r if tag != "none" else 0, model)
+                for stage, us in [("total", totals)] + sorted(stages.items()):
+                    rows.append(dict(layer=layer, lora=tag, micro_batches=mb, M_per_rank=M, tokens_layer=(
+                        M * world if layer.startswith("tp") else M), stage=stage,
+                        us_median=round(statistics.median(us), 2), us_p20=round(_q(us, 0.2), 2),
+                        us_p80=round(_q(us, 0.8), 2), model_bytes=comm.get(stage, ""), rank=rank))
+            del x, full, lora, base, cases
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _q(values, q):
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def _comm_bytes(layer, rank, world, M, shape, r, model) -> dict:
+    """Bytes this rank sends in each collective stage, by the model."""
+    if layer == "ep":
+        return {"dispatch": model["dispatch"][rank], "combine": model["combine"][rank]}
+    if layer.startswith("tp"):
+        t = tp_bytes(M * world, shape.top_k, shape.hidden, r, world, fully_sharded=layer == "tp_fully_sharded")
+        return {name: round(sent) for name, (_, sent) in t.items()}
+    return {}
+
+
+def trace(rank, world, args) -> list[dict]:
+    """Kernel events of one prefill EP call, one and two micro-batches, this rank's GPU."""
+    shape = MoEShape.from_name(args.preset)
+    part = ExpertPartition(shape.num_experts, world)
+    M, r = max(args.tokens), args.ranks[0]
+    x, ids, wts, tl, full, _ = _setup(shape, M, rank, world, args.loras, r, args.seed)
+    local = part.shard(full, rank)
+    events = []
+    for mb in (1, 2):
+        for _ in range(3):
+            ep_layer(x, ids, wts, tl, local, part, micro_batches=mb)
+        dist.barrier()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            ep_layer(x, ids, wts, tl, local, part, micro_batches=mb)
+            torch.cuda.synchronize()
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "t.json"
+            prof.export_chrome_trace(str(path))
+            doc = json.loads(path.read_text())
+        kept = [e for e in doc.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy")]
+        pid = 10 * mb + rank
+        label = f"GPU {rank}, {mb} micro-batch{'es' if mb > 1 else ''}"
+        events.append(dict(name="process_name", ph="M", pid=pid, args=dict(name=label)))
+        events.append(dict(name="process_sort_index", ph="M", pid=pid, args=dict(sort_index=pid)))
+        streams = sorted({int(e.get("args", {}).get("stream", e.get("tid", 0))) for e in kept})
+        for s in streams:
+            events.append(dict(name="thread_name", ph="M", pid=pid, tid=s, args=dict(name=f"stream {s}")))
+        for e in kept:
+            events.append(dict(name=e["name"][:80], cat=e["cat"], ph="X", ts=e["ts"], dur=e["dur"], pid=pid,
+                               tid=int(e.get("args", {}).get("stream", e.get("tid", 0)))))
+    return events
+
+
+def worker(rank, world, args) -> dict:
+    torch.manual_seed(args.seed)
+    out = {}
+    checks = []
+    for M in args.check_tokens:
+        for kind, fn, extra in (("ep", ep_case, {}), ("tp_fully_sharded", tp_case, dict(fully_sharded=True)),
+                                ("tp", tp_case, dict(fully_sharded=False))):
+            case = default_case(preset=args.preset, tokens=[M] * world, num_loras=args.loras, rank=args.ranks[0],
+                                dtype="bfloat16", device="cuda", no_adapter_fraction=0.25, **extra)
+            checks.append(dict(layer=kind, M_per_rank=M, rank=rank, **fn(rank, world, case)))
+    out["checks"] = checks
+    out["collectives"] = [dict(row, rank=rank) for row in collectives(rank, world, args.reps)]
+    out["steps"] = steps(rank, world, args)
+    out["trace"] = trace(rank, world, args)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m moelora_lab.dist.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--preset", default="qwen3-30b-a3b")
+    p.add_argument("--tokens", nargs="+", type=int, default=[64, 4096], help="tokens per rank (decode, prefill)")
+    p.add_argument("--check-tokens", nargs="+", type=int, default=[16, 512])
+    p.add_argument("--ranks", nargs="+", type=int, default=[16, 64])
+    p.add_argument("--loras", type=int, default=4)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=OUT)
+    args = p.parse_args(argv)
+    if torch.cuda.device_count() < args.world:
+        print(f"needs {args.world} CUDA GPUs (found {torch.cuda.device_count()}); on the CPU, read the committed "
+              f"data under {OUT}", file=sys.stderr)
+        return 2
+    results = run_local(worker, args.world, args, backend="nccl", timeout_s=1800)
+    prov = dict(timing.provenance(common.command_line(["dist"] + list(argv or sys.argv[1:]))), world=args.world,
+                nccl=".".join(map(str, torch.cuda.nccl.version())), nvls=os.environ.get("NCCL_NVLS_ENABLE", "0"))
+    prov["command"] = prov["command"].replace("python -m moelora_lab.bench dist", "python -m moelora_lab.dist.bench")
+    for name in ("checks", "collectives", "steps"):
+        rows = [row for res in results for row in res[name]]
+        keys = list(dict.fromkeys(key for row in rows for key in row))      # ep and tp rows differ
+        write_csv([dict({key: row.get(key, "") for key in keys}, **prov) for row in rows], args.out / f"dist_{name}.csv")
+    doc = dict(displayTimeUnit="ns", traceEvents=[e for res in results for e in res["trace"]],
+               otherData=dict(producer="moelora_lab.dist.bench", **prov))
+    (args.out / "dist_trace.json").write_text(json.dumps(doc))
+    print(f"wrote {args.out}/dist_*.csv and dist_trace.json", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

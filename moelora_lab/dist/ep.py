@@ -1,0 +1,167 @@
+"""Expert parallelism: each rank owns whole experts; pairs travel to their expert and back.
+
+Shape legend: M tokens (this rank's), E experts, k top-k, L adapters, r rank, H hidden,
+I expert intermediate, W ranks, P = M*k pairs, R pairs this rank receives, E_w local experts.
+
+Every rank holds its own tokens and the weights of its experts (:class:`ExpertPartition`). A call
+runs three steps, as serving engines' modular MoE layers do:
+
+1. **prepare / dispatch**: sort the P pairs by the rank owning their expert, exchange the counts
+   (an all-to-all of W integers: the only host synchronisation, because the payload's split sizes
+   must be known on the host), then one all-to-all of the pairs' rows [P, H] and one of their
+   metadata [P, 2] (local expert id, adapter slot).
+2. **experts**: the R received pairs are R one-slot tokens for the local layer
+   (:func:`moelora_lab.moe_lora_layer` with k = 1 and unit weights): our kernels, our plan, our
+   schedules; LoRA included, because a pair carries its adapter id.
+3. **finalize / combine**: the all-to-all in reverse brings each pair's output [R, H] home, and
+   the routing weights and the top-k sum are applied where the token lives.
+
+Each remote pair moves H values twice (there and back). Rows are not deduplicated: a token whose
+k experts sit on one rank is sent k times (``comm.ep_bytes`` counts both choices).
+``micro_batches > 1`` splits the tokens and overlaps the dispatch of the next micro-batch with the
+experts of this one (asynchronous collectives; NCCL runs them on its own stream).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from ..layer import moe_lora_layer
+from ..validate import check_int
+from .partition import LORA_KEYS, ExpertPartition
+
+
+class Dispatch(NamedTuple):
+    """What one rank sent and received for one micro-batch."""
+
+    order: torch.Tensor      # [P] pair ids sorted by destination rank
+    send: list               # [W] pairs sent to each rank
+    recv: list               # [W] pairs received from each rank
+    rows: torch.Tensor       # [R, H] received rows
+    meta: torch.Tensor       # [R, 2] int64 (local expert id, adapter slot)
+    sent: tuple              # the outgoing rows and metadata, kept alive while an async exchange runs
+
+
+def _stage(tracer, name):
+    return tracer.stage(name, "main") if tracer is not None else contextlib.nullcontext()
+
+
+def exchange_counts(dest: torch.Tensor, world: int, group) -> tuple[list, list]:
+    """Pairs this rank sends to each rank and receives from each: one all-to-all of W counts."""
+    send = torch.bincount(dest, minlength=world)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return send.tolist(), recv.tolist()      # the split sizes must be on the host
+
+
+def dispatch(x, topk_ids, token_lora, partition: ExpertPartition, group, *, async_op: bool = False):
+    """Step 1 for one micro-batch; returns (Dispatch, works) with ``works`` to wait on when async."""
+    world = dist.get_world_size(group)
+    M, k = topk_ids.shape
+    ids = topk_ids.reshape(-1).long()
+    dest = partition.owner(ids)
+    order = torch.sort(dest, stable=True).indices
+    send, recv = exchange_counts(dest, world, group)
+    rows_out = x.index_select(0, order // k)
+    meta_out = torch.stack([ids[order] - partition.first(ids[order]),
+                            token_lora.long().repeat_interleave(k)[order]], 1)
+    R = sum(recv)
+    rows = x.new_empty(R, x.shape[1])
+    meta = meta_out.new_empty(R, 2)
+    works = [dist.all_to_all_single(rows, rows_out, recv, send, group=group, async_op=async_op),
+             dist.all_to_all_single(meta, meta_out, recv, send, group=group, async_op=async_op)]
+    return Dispatch(order, send, recv, rows, meta, (rows_out, meta_out)), [w for w in works if w is not None]
+
+
+def experts(d: Dispatch, local: dict, *, lora_ranks=None, schedule: str = "auto", lora_path: str = "auto"):
+    """Step 2: the local layer on the received pairs, one slot each, unit weights: out [R, H]."""
+    R = d.rows.shape[0]
+    ids = d.meta[:, :1].contiguous()
+    ones = torch.ones(R, 1, dtype=torch.float32, device=d.rows.device)
+    lora = {key: local.get(key) for key in LORA_KEYS}
+    return moe_lora_layer(d.rows, ids, ones, d.meta[:, 1].contiguous(), local["w13"], local["w2"], **lora,
+                          schedule=schedule, lora_path=lora_path, lora_ranks=lora_ranks)
+
+
+def combine(out: torch.Tensor, d: Dispatch, group, *, async_op: bool = False):
+    """Step 3a: send every pair's output home: back [P, H] in dispatch order (and the work, if async)."""
+    back = out.new_empty(len(d.order), out.shape[1])
+    work = dist.all_to_all_single(back, out, d.send, d.recv, group=group, async_op=async_op)
+    return back, work
+
+
+def finalize(back: torch.Tensor, d: Dispatch, topk_weights: torch.Tensor) -> torch.Tensor:
+    """Step 3b: undo the sort, weight each slot and sum over top-k (fp32): y [M, H] in the rows' dtype."""
+    M, k = topk_weights.shape
+    pairs = torch.empty_like(back)
+    pairs[d.order] = back
+    y = (pairs.view(M, k, back.shape[1]).float() * topk_weights.float().unsqueeze(-1)).sum(1)
+    return y.to(back.dtype)
+
+
+def ep_layer(x, topk_ids, topk_weights, token_lora, local: dict, partition: ExpertPartition, *, group=None,
+             lora_ranks=None, schedule: str = "auto", lora_path: str = "auto", micro_batches: int = 1,
+             tracer=None) -> torch.Tensor:
+    """The MoE layer with LoRA, its experts spread over the ranks of ``group``: y [M, H] for this
+    rank's tokens.
+
+    ``x`` [M, H], ``topk_ids`` [M, k] (global expert ids), ``topk_weights`` [M, k], ``token_lora`` [M]:
+    this rank's tokens, as for :func:`moelora_lab.moe_lora_layer`. ``local``: this rank's experts,
+    ``partition.shard(full_weights, rank)`` (``w13``, ``w2`` and optionally the four LoRA lists).
+    Collective: every rank of ``group`` must call it (with any M, 0 included). ``tracer``
+    (``profile.timeline.Tracer``) records the stages ``dispatch``, ``experts`` and ``combine``.
+    """
+    group = group if group is not None else dist.group.WORLD
+    check_int("micro_batches", micro_batches, low=1)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if partition.world_size != world:
+        raise ValueError(f"partition: made for {partition.world_size} ranks, but the group has {world}; use "
+                         f"ExpertPartition({partition.num_experts}, {world})")
+    E_w = len(partition.experts_of(rank))
+    if local["w13"].shape[0] != E_w:
+        raise ValueError(f"local: w13 holds {local['w13'].shape[0]} experts, but rank {rank} owns {E_w} "
+                         f"({partition.experts_of(rank)}); pass partition.shard(weights, {rank})")
+    if topk_ids.numel() and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= partition.num_experts):
+        raise ValueError(f"topk_ids: global expert ids must lie in [0, {partition.num_experts})")
+    if micro_batches == 1:
+        return _one_batch(x, topk_ids, topk_weights, token_lora, local, partition, group, lora_ranks, schedule,
+                          lora_path, tracer)
+    return _pipelined(x, topk_ids, topk_weights, token_lora, local, partition, group, lora_ranks, schedule,
+                      lora_path, micro_batches, tracer)
+
+
+def _one_batch(x, topk_ids, topk_weights, token_lora, local, partition, group, lora_ranks, schedule, lora_path,
+               tracer):
+    with _stage(tracer, "dispatch"):
+        d, _ = dispatch(x, topk_ids, token_lora, partition, group)
+    with _stage(tracer, "experts"):
+        out = experts(d, local, lora_ranks=lora_ranks, schedule=schedule, lora_path=lora_path)
+    with _stage(tracer, "combine"):
+        back, _ = combine(out, d, group)
+        return finalize(back, d, topk_weights)
+
+
+def _pipelined(x, topk_ids, topk_weights, token_lora, local, partition, group, lora_ranks, schedule, lora_path,
+               micro_batches, tracer):
+    """Micro-batches: the dispatch of batch i+1 and the combine of batch i-1 are in flight while the
+    experts of batch i run (every rank splits its own tokens the same way: the collectives pair up)."""
+    chunks = list(zip(*(t.tensor_split(micro_batches) for t in (x, topk_ids, topk_weights, token_lora))))
+    pending = dispatch(*(chunks[0][i] for i in (0, 1, 3)), partition, group, async_op=True)
+    results, combines = [], []
+    for i, chunk in enumerate(chunks):
+        d, works = pending
+        for w in works:
+            w.wait()                          # the current stream waits for this batch's rows
+        if i + 1 < len(chunks):
+            pending = dispatch(*(chunks[i + 1][j] for j in (0, 1, 3)), partition, group, async_op=True)
+        with _stage(tracer, f"experts[{i}]"):
+            out = experts(d, local, lora_ranks=lora_ranks, schedule=schedule, lora_path=lora_path)
+        back, work = combine(out, d, group, async_op=True)
+        combines.append((back, d, chunk[2], work, out))
+    for back, d, weights, work, _ in combines:
+        work.wait()
+        results.append(finalize(back, d, weights))
+    return torch.cat(results, 0)
