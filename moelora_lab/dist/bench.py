@@ -215,7 +215,8 @@ def main(argv=None) -> int:
         print(f"needs {args.world} CUDA GPUs (found {torch.cuda.device_count()}); on the CPU, read the committed "
               f"data under {OUT}", file=sys.stderr)
         return 2
-    results = run_local(worker, args.world, args, backend="nccl", timeout_s=1800)
+    from moelora_lab.dist import bench          # the worker by its importable name, also when run as __main__
+    results = run_local(bench.worker, args.world, args, backend="nccl", timeout_s=1800)
     prov = dict(timing.provenance(common.command_line(["dist"] + list(argv or sys.argv[1:]))), world=args.world,
                 nccl=".".join(map(str, torch.cuda.nccl.version())), nvls=os.environ.get("NCCL_NVLS_ENABLE", "0"))
     prov["command"] = prov["command"].replace("python -m moelora_lab.bench dist", "python -m moelora_lab.dist.bench")
