@@ -23,6 +23,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -36,7 +37,7 @@ from ..profile.timeline import Tracer
 from ..results import DATA_DIR, write_csv
 from .checks import default_case, ep_case, tp_case
 from .comm import ep_bytes, tp_bytes
-from .ep import ep_layer
+from .ep import count_pairs, ep_layer
 from .launch import run_local
 from .partition import LORA_KEYS, ExpertPartition, shard_tp
 from .tp import _all_gather, tp_layer
@@ -45,23 +46,33 @@ OUT = DATA_DIR.parent / "h200x2"
 SIZES = [1 << p for p in range(12, 29, 2)]          # 4 KiB .. 256 MiB per rank
 
 
-def _events_us(fn, reps: int, warmup: int = 3) -> tuple[list, dict]:
-    """Total µs per repetition and {stage: [µs]} (Tracer on the compute stream), a barrier first."""
-    totals, stages = [], {}
+PARK_CYCLES = 20_000_000                             # ~10 ms of GPU sleep while the host queues the call
+
+
+def _events_us(fn, reps: int, warmup: int = 3, *, park: bool = True) -> tuple[list, dict, float]:
+    """Total µs per repetition, {stage: [µs]} (Tracer on the compute stream) and the host's median
+    µs to queue the call. A barrier first; ``park``: the stream first sleeps while the host queues
+    every launch, so the events time the GPU, not Python (the call must not wait on the host)."""
+    totals, stages, host = [], {}, []
     for i in range(warmup + reps):
         tracer = Tracer()
         dist.barrier()
         torch.cuda.synchronize()
+        if park:
+            torch.cuda._sleep(PARK_CYCLES)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
         start.record()
         fn(tracer)
         end.record()
+        t1 = time.perf_counter()
         records = tracer.records()
         if i >= warmup:
             totals.append(start.elapsed_time(end) * 1e3)
+            host.append((t1 - t0) * 1e6)
             for r in records:
                 stages.setdefault(r["name"], []).append(r["end_us"] - r["start_us"])
-    return totals, stages
+    return totals, stages, statistics.median(host)
 
 
 def collectives(rank, world, reps) -> list[dict]:
@@ -75,7 +86,7 @@ def collectives(rank, world, reps) -> list[dict]:
         for op, fn in ops.items():
             if fn is None:
                 continue
-            totals, _ = _events_us(lambda tracer: fn(), reps)
+            totals, _, _ = _events_us(lambda tracer: fn(), reps)
             rows.append(dict(op=op, bytes_per_rank=size, us_median=round(statistics.median(totals), 2),
                              us_min=round(min(totals), 2)))
     return rows
@@ -99,6 +110,7 @@ def steps(rank, world, args) -> list[dict]:
     for M in args.tokens:
         for r in args.ranks:
             x, ids, wts, tl, full, routing_all = _setup(shape, M, rank, world, args.loras, r, args.seed)
+            counts = {mb: count_pairs(ids, part, micro_batches=mb) for mb in (1, 2)}
             base = dict(w13=full["w13"], w2=full["w2"])
             lora = {key: full[key] for key in LORA_KEYS}
             # TP serves every rank's tokens: W*M rows, the same on all ranks
@@ -109,25 +121,30 @@ def steps(rank, world, args) -> list[dict]:
                 if with_lora or r == args.ranks[0]:
                     w = dict(base, **lora) if with_lora else base
                     local = part.shard(w, rank)
-                    cases[("ep", tag, 1)] = lambda tr, local=local: ep_layer(x, ids, wts, tl, local, part, tracer=tr)
+                    cases[("ep", tag, 1)] = lambda tr, local=local: ep_layer(x, ids, wts, tl, local, part, tracer=tr,
+                                                                             counts=counts[1], validate=False)
                     cases[("single_gpu", tag, 1)] = (lambda tr, w=w: moe_lora_layer(
-                        x, ids, wts, tl, w["w13"], w["w2"], *(w.get(key) for key in LORA_KEYS), tracer=tr))
+                        x, ids, wts, tl, w["w13"], w["w2"], *(w.get(key) for key in LORA_KEYS), tracer=tr,
+                        validate=False))
                     for fs in ((False, True) if with_lora else (False,)):
                         shard = shard_tp(w, rank, world, fully_sharded=fs)
                         name = "tp_fully_sharded" if fs else "tp"
                         cases[(name, tag, 1)] = (lambda tr, shard=shard, fs=fs: tp_layer(
-                            X, IDS, WTS, TL, shard, fully_sharded=fs, tracer=tr))
+                            X, IDS, WTS, TL, shard, fully_sharded=fs, tracer=tr, validate=False))
             local = part.shard(dict(base, **lora), rank)
-            cases[("ep", f"r{r}", 2)] = lambda tr: ep_layer(x, ids, wts, tl, local, part, tracer=tr, micro_batches=2)
+            cases[("ep", f"r{r}", 2)] = lambda tr: ep_layer(x, ids, wts, tl, local, part, tracer=tr, micro_batches=2,
+                                                            counts=counts[2], validate=False)
+            cases[("ep_counts", "none", 1)] = lambda tr: count_pairs(ids, part)     # waits on the host: not parked
             model = ep_bytes(routing_all, part, shape.hidden)
             for (layer, tag, mb), fn in cases.items():
-                totals, stages = _events_us(fn, args.reps)
+                totals, stages, host_us = _events_us(fn, args.reps, park=layer != "ep_counts")
                 comm = _comm_bytes(layer, rank, world, M, shape, r if tag != "none" else 0, model)
                 for stage, us in [("total", totals)] + sorted(stages.items()):
                     rows.append(dict(layer=layer, lora=tag, micro_batches=mb, M_per_rank=M, tokens_layer=(
                         M * world if layer.startswith("tp") else M), stage=stage,
                         us_median=round(statistics.median(us), 2), us_p20=round(_q(us, 0.2), 2),
-                        us_p80=round(_q(us, 0.8), 2), model_bytes=comm.get(stage, ""), rank=rank))
+                        us_p80=round(_q(us, 0.8), 2), host_us=round(host_us, 1), parked=layer != "ep_counts",
+                        model_bytes=comm.get(stage, ""), rank=rank))
             del x, full, lora, base, cases
             torch.cuda.empty_cache()
     return rows
@@ -157,18 +174,21 @@ def trace(rank, world, args) -> list[dict]:
     local = part.shard(full, rank)
     events = []
     for mb in (1, 2):
+        counts = count_pairs(ids, part, micro_batches=mb)
         for _ in range(3):
-            ep_layer(x, ids, wts, tl, local, part, micro_batches=mb)
+            ep_layer(x, ids, wts, tl, local, part, micro_batches=mb, counts=counts, validate=False)
         dist.barrier()
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            ep_layer(x, ids, wts, tl, local, part, micro_batches=mb)
+            torch.cuda._sleep(PARK_CYCLES)            # the host queues the whole call first
+            ep_layer(x, ids, wts, tl, local, part, micro_batches=mb, counts=counts, validate=False)
             torch.cuda.synchronize()
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "t.json"
             prof.export_chrome_trace(str(path))
             doc = json.loads(path.read_text())
-        kept = [e for e in doc.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy")]
+        kept = [e for e in doc.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy")
+                and "sleep" not in e.get("name", "")]
         pid = 10 * mb + rank
         label = f"GPU {rank}, {mb} micro-batch{'es' if mb > 1 else ''}"
         events.append(dict(name="process_name", ph="M", pid=pid, args=dict(name=label)))

@@ -6,10 +6,11 @@ I expert intermediate, W ranks, P = M*k pairs, R pairs this rank receives, E_w l
 Every rank holds its own tokens and the weights of its experts (:class:`ExpertPartition`). A call
 runs three steps, as serving engines' modular MoE layers do:
 
-1. **prepare / dispatch**: sort the P pairs by the rank owning their expert, exchange the counts
-   (an all-to-all of W integers: the only host synchronisation, because the payload's split sizes
-   must be known on the host), then one all-to-all of the pairs' rows [P, H] and one of their
-   metadata [P, 2] (local expert id, adapter slot).
+1. **prepare / dispatch**: count the pairs for each rank and exchange the counts (an all-to-all of
+   W integers per micro-batch, :func:`count_pairs`: the only host synchronisation, because the
+   payload's split sizes must be known on the host), sort the P pairs by the rank owning their
+   expert, then one all-to-all of the pairs' rows [P, H] and one of their metadata [P, 2] (local
+   expert id, adapter slot).
 2. **experts**: the R received pairs are R one-slot tokens for the local layer
    (:func:`moelora_lab.moe_lora_layer` with k = 1 and unit weights): our kernels, our plan, our
    schedules; LoRA included, because a pair carries its adapter id.
@@ -49,22 +50,34 @@ def _stage(tracer, name):
     return tracer.stage(name, "main") if tracer is not None else contextlib.nullcontext()
 
 
-def exchange_counts(dest: torch.Tensor, world: int, group) -> tuple[list, list]:
-    """Pairs this rank sends to each rank and receives from each: one all-to-all of W counts."""
-    send = torch.bincount(dest, minlength=world)
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    return send.tolist(), recv.tolist()      # the split sizes must be on the host
+class Counts(NamedTuple):
+    """Split sizes of every micro-batch: the only host synchronisation of the layer."""
+
+    send: list               # [micro-batches][W] pairs this rank sends to each rank
+    recv: list               # [micro-batches][W] pairs it receives from each rank
 
 
-def dispatch(x, topk_ids, token_lora, partition: ExpertPartition, group, *, async_op: bool = False):
-    """Step 1 for one micro-batch; returns (Dispatch, works) with ``works`` to wait on when async."""
+def count_pairs(topk_ids, partition: ExpertPartition, *, group=None, micro_batches: int = 1) -> Counts:
+    """Pairs this rank sends to and receives from each rank, per micro-batch: one all-to-all of
+    [W, micro-batches] integers, then a copy to the host (the payload's split sizes must be host ints).
+    A caller that knows the routing early (a serving engine, a benchmark) passes the result to
+    :func:`ep_layer` as ``counts`` and keeps this synchronisation out of the layer."""
+    group = group if group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
+    dest = [partition.owner(c.reshape(-1)) for c in topk_ids.tensor_split(micro_batches)]
+    send = torch.stack([torch.bincount(d, minlength=world) for d in dest], 1)      # [W, mb]: row w to rank w
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)                                 # row w: from rank w
+    return Counts(send.T.tolist(), recv.T.tolist())
+
+
+def dispatch(x, topk_ids, token_lora, partition: ExpertPartition, group, send: list, recv: list, *,
+             async_op: bool = False):
+    """Step 1 for one micro-batch (``send``/``recv``: its split sizes); returns (Dispatch, works),
+    ``works`` to wait on when ``async_op``."""
     M, k = topk_ids.shape
     ids = topk_ids.reshape(-1).long()
-    dest = partition.owner(ids)
-    order = torch.sort(dest, stable=True).indices
-    send, recv = exchange_counts(dest, world, group)
+    order = torch.sort(partition.owner(ids), stable=True).indices
     rows_out = x.index_select(0, order // k)
     meta_out = torch.stack([ids[order] - partition.first(ids[order]),
                             token_lora.long().repeat_interleave(k)[order]], 1)
@@ -76,14 +89,15 @@ def dispatch(x, topk_ids, token_lora, partition: ExpertPartition, group, *, asyn
     return Dispatch(order, send, recv, rows, meta, (rows_out, meta_out)), [w for w in works if w is not None]
 
 
-def experts(d: Dispatch, local: dict, *, lora_ranks=None, schedule: str = "auto", lora_path: str = "auto"):
+def experts(d: Dispatch, local: dict, *, lora_ranks=None, schedule: str = "auto", lora_path: str = "auto",
+            validate: bool = True):
     """Step 2: the local layer on the received pairs, one slot each, unit weights: out [R, H]."""
     R = d.rows.shape[0]
     ids = d.meta[:, :1].contiguous()
     ones = torch.ones(R, 1, dtype=torch.float32, device=d.rows.device)
     lora = {key: local.get(key) for key in LORA_KEYS}
     return moe_lora_layer(d.rows, ids, ones, d.meta[:, 1].contiguous(), local["w13"], local["w2"], **lora,
-                          schedule=schedule, lora_path=lora_path, lora_ranks=lora_ranks)
+                          schedule=schedule, lora_path=lora_path, lora_ranks=lora_ranks, validate=validate)
 
 
 def combine(out: torch.Tensor, d: Dispatch, group, *, async_op: bool = False):
@@ -104,15 +118,17 @@ def finalize(back: torch.Tensor, d: Dispatch, topk_weights: torch.Tensor) -> tor
 
 def ep_layer(x, topk_ids, topk_weights, token_lora, local: dict, partition: ExpertPartition, *, group=None,
              lora_ranks=None, schedule: str = "auto", lora_path: str = "auto", micro_batches: int = 1,
-             tracer=None) -> torch.Tensor:
+             counts: Counts | None = None, validate: bool = True, tracer=None) -> torch.Tensor:
     """The MoE layer with LoRA, its experts spread over the ranks of ``group``: y [M, H] for this
     rank's tokens.
 
     ``x`` [M, H], ``topk_ids`` [M, k] (global expert ids), ``topk_weights`` [M, k], ``token_lora`` [M]:
     this rank's tokens, as for :func:`moelora_lab.moe_lora_layer`. ``local``: this rank's experts,
     ``partition.shard(full_weights, rank)`` (``w13``, ``w2`` and optionally the four LoRA lists).
-    Collective: every rank of ``group`` must call it (with any M, 0 included). ``tracer``
-    (``profile.timeline.Tracer``) records the stages ``dispatch``, ``experts`` and ``combine``.
+    Collective: every rank of ``group`` must call it (with any M, 0 included) with the same
+    ``micro_batches``. ``counts``: :func:`count_pairs` of these very ids, made beforehand (else the
+    layer makes them: one host synchronisation). ``validate=False`` skips the id checks (host
+    synchronisations). ``tracer`` (``profile.timeline.Tracer``) records the stages.
     """
     group = group if group is not None else dist.group.WORLD
     check_int("micro_batches", micro_batches, low=1)
@@ -124,43 +140,54 @@ def ep_layer(x, topk_ids, topk_weights, token_lora, local: dict, partition: Expe
     if local["w13"].shape[0] != E_w:
         raise ValueError(f"local: w13 holds {local['w13'].shape[0]} experts, but rank {rank} owns {E_w} "
                          f"({partition.experts_of(rank)}); pass partition.shard(weights, {rank})")
-    if topk_ids.numel() and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= partition.num_experts):
+    if validate and topk_ids.numel() and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= partition.num_experts):
         raise ValueError(f"topk_ids: global expert ids must lie in [0, {partition.num_experts})")
+    if counts is None:
+        with _stage(tracer, "counts"):
+            counts = count_pairs(topk_ids, partition, group=group, micro_batches=micro_batches)
+    elif len(counts.send) != micro_batches or any(len(c) != world for c in counts.send):
+        raise ValueError(f"counts: made for {len(counts.send)} micro-batch(es) of {len(counts.send[0])} ranks; this "
+                         f"call has micro_batches={micro_batches} over {world} ranks (pass count_pairs(..., "
+                         f"micro_batches={micro_batches}))")
+    run = dict(lora_ranks=lora_ranks, schedule=schedule, lora_path=lora_path, validate=validate)
     if micro_batches == 1:
-        return _one_batch(x, topk_ids, topk_weights, token_lora, local, partition, group, lora_ranks, schedule,
-                          lora_path, tracer)
-    return _pipelined(x, topk_ids, topk_weights, token_lora, local, partition, group, lora_ranks, schedule,
-                      lora_path, micro_batches, tracer)
+        return _one_batch(x, topk_ids, topk_weights, token_lora, local, partition, group, counts, run, tracer)
+    return _pipelined(x, topk_ids, topk_weights, token_lora, local, partition, group, counts, run, tracer)
 
 
-def _one_batch(x, topk_ids, topk_weights, token_lora, local, partition, group, lora_ranks, schedule, lora_path,
-               tracer):
+def _one_batch(x, topk_ids, topk_weights, token_lora, local, partition, group, counts, run, tracer):
     with _stage(tracer, "dispatch"):
-        d, _ = dispatch(x, topk_ids, token_lora, partition, group)
+        d, _ = dispatch(x, topk_ids, token_lora, partition, group, counts.send[0], counts.recv[0])
     with _stage(tracer, "experts"):
-        out = experts(d, local, lora_ranks=lora_ranks, schedule=schedule, lora_path=lora_path)
+        out = experts(d, local, **run)
     with _stage(tracer, "combine"):
         back, _ = combine(out, d, group)
         return finalize(back, d, topk_weights)
 
 
-def _pipelined(x, topk_ids, topk_weights, token_lora, local, partition, group, lora_ranks, schedule, lora_path,
-               micro_batches, tracer):
+def _pipelined(x, topk_ids, topk_weights, token_lora, local, partition, group, counts, run, tracer):
     """Micro-batches: the dispatch of batch i+1 and the combine of batch i-1 are in flight while the
-    experts of batch i run (every rank splits its own tokens the same way: the collectives pair up)."""
-    chunks = list(zip(*(t.tensor_split(micro_batches) for t in (x, topk_ids, topk_weights, token_lora))))
-    pending = dispatch(*(chunks[0][i] for i in (0, 1, 3)), partition, group, async_op=True)
-    results, combines = [], []
-    for i, chunk in enumerate(chunks):
+    experts of batch i run (every rank splits its own tokens the same way: the collectives pair up;
+    the split sizes are known up front, so nothing waits on the host)."""
+    chunks = list(zip(*(t.tensor_split(len(counts.send)) for t in (x, topk_ids, topk_weights, token_lora))))
+
+    def send(i):
+        cx, cids, _, clora = chunks[i]
+        return dispatch(cx, cids, clora, partition, group, counts.send[i], counts.recv[i], async_op=True)
+
+    pending = send(0)
+    combines = []
+    for i in range(len(chunks)):
         d, works = pending
         for w in works:
             w.wait()                          # the current stream waits for this batch's rows
         if i + 1 < len(chunks):
-            pending = dispatch(*(chunks[i + 1][j] for j in (0, 1, 3)), partition, group, async_op=True)
+            pending = send(i + 1)
         with _stage(tracer, f"experts[{i}]"):
-            out = experts(d, local, lora_ranks=lora_ranks, schedule=schedule, lora_path=lora_path)
+            out = experts(d, local, **run)
         back, work = combine(out, d, group, async_op=True)
-        combines.append((back, d, chunk[2], work, out))
+        combines.append((back, d, chunks[i][2], work, out))
+    results = []
     for back, d, weights, work, _ in combines:
         work.wait()
         results.append(finalize(back, d, weights))

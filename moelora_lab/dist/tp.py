@@ -62,13 +62,14 @@ def _lora_dims(local: dict, fully_sharded: bool, world: int):
 
 
 def tp_layer(x, topk_ids, topk_weights, token_lora, local: dict, *, fully_sharded: bool, group=None,
-             lora_ranks=None, lora_path: str = "auto", tracer=None) -> torch.Tensor:
+             lora_ranks=None, lora_path: str = "auto", validate: bool = True, tracer=None) -> torch.Tensor:
     """The MoE layer with LoRA under tensor parallelism: y [M, H], the same on every rank.
 
     Every rank passes the same tokens and routing (as :func:`moelora_lab.moe_lora_layer`) and its
     own ``local = shard_tp(weights, rank, W, fully_sharded=...)``; the layer runs one stream.
     ``fully_sharded=True`` forces the two-kernel LoRA path (the intermediate must travel);
-    ``lora_path`` applies otherwise. ``tracer`` records every stage, collectives on lane "comm".
+    ``lora_path`` applies otherwise. ``validate=False`` skips the id-range checks (a host
+    synchronisation). ``tracer`` records every stage, collectives on lane "comm".
     """
     group = group if group is not None else dist.group.WORLD
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -77,7 +78,8 @@ def tp_layer(x, topk_ids, topk_weights, token_lora, local: dict, *, fully_sharde
     with_lora = local.get("w13_lora_a") is not None
     L, r = _lora_dims(local, fully_sharded, world) if with_lora else (None, None)
     M, k = check_routing(topk_ids, token_lora, E, L or ANY_SLOT, topk_weights, values=False)
-    check_values(routing_ranges(topk_ids, token_lora, E, L or ANY_SLOT))
+    if validate:
+        check_values(routing_ranges(topk_ids, token_lora, E, L or ANY_SLOT))
     P = M * k
     path = "two_kernel" if fully_sharded else lora_path
     with on_device(x):
