@@ -18,6 +18,7 @@ output needs a sum over ranks. The LoRA follows the base weights in one of two w
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -57,13 +58,21 @@ class ExpertPartition:
 
     def owner(self, topk_ids: torch.Tensor) -> torch.Tensor:
         """The rank that owns each expert id (same shape as ``topk_ids``, int64)."""
-        edges = torch.tensor(self.bounds[1:-1], device=topk_ids.device, dtype=torch.int64)
-        return torch.bucketize(topk_ids.long(), edges, right=True)
+        return _tables(self, topk_ids.device)[0][topk_ids.long()]
 
     def first(self, topk_ids: torch.Tensor) -> torch.Tensor:
         """The first expert of each id's owner (global id minus this is the owner's local id)."""
-        firsts = torch.tensor(self.bounds[:-1], device=topk_ids.device, dtype=torch.int64)
-        return firsts[self.owner(topk_ids)]
+        return _tables(self, topk_ids.device)[1][topk_ids.long()]
+
+
+@functools.lru_cache(maxsize=64)
+def _tables(partition: ExpertPartition, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E] owner rank and [E] owner's first expert, made once per device: a host-to-device copy
+    waits for the stream, so it must not happen on every call."""
+    b = partition.bounds
+    owner = [w for w in range(partition.world_size) for _ in range(b[w], b[w + 1])]
+    return (torch.tensor(owner, dtype=torch.int64).to(device),
+            torch.tensor([b[w] for w in owner], dtype=torch.int64).to(device))
 
     def shard(self, weights: dict, rank: int) -> dict:
         """A rank's experts of a layer's weights: ``w13``, ``w2`` [E, ...] and the LoRA lists [L, E, ...]
