@@ -64,16 +64,6 @@ class ExpertPartition:
         """The first expert of each id's owner (global id minus this is the owner's local id)."""
         return _tables(self, topk_ids.device)[1][topk_ids.long()]
 
-
-@functools.lru_cache(maxsize=64)
-def _tables(partition: ExpertPartition, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """[E] owner rank and [E] owner's first expert, made once per device: a host-to-device copy
-    waits for the stream, so it must not happen on every call."""
-    b = partition.bounds
-    owner = [w for w in range(partition.world_size) for _ in range(b[w], b[w + 1])]
-    return (torch.tensor(owner, dtype=torch.int64).to(device),
-            torch.tensor([b[w] for w in owner], dtype=torch.int64).to(device))
-
     def shard(self, weights: dict, rank: int) -> dict:
         """A rank's experts of a layer's weights: ``w13``, ``w2`` [E, ...] and the LoRA lists [L, E, ...]
         (any missing key is skipped), as views."""
@@ -85,6 +75,16 @@ def _tables(partition: ExpertPartition, device: torch.device) -> tuple[torch.Ten
             elif key in LORA_KEYS and w is not None:
                 out[key] = [t[:, ex.start:ex.stop] for t in w]
         return out
+
+
+@functools.lru_cache(maxsize=64)
+def _tables(partition: ExpertPartition, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E] owner rank and [E] owner's first expert, made once per device: a host-to-device copy
+    waits for the stream, so it must not happen on every call."""
+    b = partition.bounds
+    owner = [w for w in range(partition.world_size) for _ in range(b[w], b[w + 1])]
+    return (torch.tensor(owner, dtype=torch.int64).to(device),
+            torch.tensor([b[w] for w in owner], dtype=torch.int64).to(device))
 
 
 def _cut(t: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
