@@ -7,7 +7,7 @@ Like ``profile.traffic`` for HBM, this counts bytes, not time; :func:`predict_us
 time with a latency and a bandwidth measured on the machine (``alpha_us``, ``gbps``).
 
 * Expert parallelism, per rank: the dispatch sends every pair whose expert lives elsewhere, H
-  values plus its metadata (2 int64); the combine sends the same rows back. With uniform routing
+  values plus its metadata (3 int64); the combine sends the same rows back. With uniform routing
   a fraction (W-1)/W of the pairs leaves the rank: P (W-1)/W H b each way. Deduplicated dispatch
   (one row per (token, destination rank), as DeepEP does) sends fewer rows when a token has several
   experts on one rank.
@@ -21,7 +21,7 @@ import torch
 
 from .partition import ExpertPartition
 
-META_BYTES = 16          # a dispatched pair's (local expert id, adapter slot), two int64
+META_BYTES = 24          # a dispatched pair's (local expert id, adapter slot, weight bits), three int64
 
 
 def pair_matrix(topk_ids_of_rank: list, partition: ExpertPartition, *, dedup: bool = False) -> torch.Tensor:

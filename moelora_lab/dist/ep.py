@@ -9,13 +9,14 @@ runs three steps, as serving engines' modular MoE layers do:
 1. **prepare / dispatch**: count the pairs for each rank and exchange the counts (an all-to-all of
    W integers per micro-batch, :func:`count_pairs`: the only host synchronisation, because the
    payload's split sizes must be known on the host), sort the P pairs by the rank owning their
-   expert, then one all-to-all of the pairs' rows [P, H] and one of their metadata [P, 2] (local
-   expert id, adapter slot).
+   expert, then one all-to-all of the pairs' rows [P, H] and one of their metadata [P, 3] (local
+   expert id, adapter slot, routing weight's bits).
 2. **experts**: the R received pairs are R one-slot tokens for the local layer
-   (:func:`moelora_lab.moe_lora_layer` with k = 1 and unit weights): our kernels, our plan, our
-   schedules; LoRA included, because a pair carries its adapter id.
-3. **finalize / combine**: the all-to-all in reverse brings each pair's output [R, H] home, and
-   the routing weights and the top-k sum are applied where the token lives.
+   (:func:`moelora_lab.moe_lora_layer` with k = 1 and the pair's routing weight): our kernels,
+   plan and schedules, the weight applied in the w2 GEMM's epilogue as on one GPU; LoRA included,
+   because a pair carries its adapter id.
+3. **finalize / combine**: the all-to-all in reverse brings each pair's weighted output [R, H]
+   home, where the rows are put back in pair order and summed over top-k by the layer's own kernel.
 
 Each remote pair moves H values twice (there and back). Rows are not deduplicated: a token whose
 k experts sit on one rank is sent k times (``comm.ep_bytes`` counts both choices).
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..layer import moe_lora_layer
+from ..moe import topk_sum
 from ..validate import check_int
 from .partition import LORA_KEYS, ExpertPartition
 
@@ -42,7 +44,7 @@ class Dispatch(NamedTuple):
     send: list               # [W] pairs sent to each rank
     recv: list               # [W] pairs received from each rank
     rows: torch.Tensor       # [R, H] received rows
-    meta: torch.Tensor       # [R, 2] int64 (local expert id, adapter slot)
+    meta: torch.Tensor       # [R, 3] int64 (local expert id, adapter slot, fp32 routing weight's bits)
     sent: tuple              # the outgoing rows and metadata, kept alive while an async exchange runs
 
 
@@ -71,7 +73,7 @@ def count_pairs(topk_ids, partition: ExpertPartition, *, group=None, micro_batch
     return Counts(send.T.tolist(), recv.T.tolist())
 
 
-def dispatch(x, topk_ids, token_lora, partition: ExpertPartition, group, send: list, recv: list, *,
+def dispatch(x, topk_ids, topk_weights, token_lora, partition: ExpertPartition, group, send: list, recv: list, *,
              async_op: bool = False):
     """Step 1 for one micro-batch (``send``/``recv``: its split sizes); returns (Dispatch, works),
     ``works`` to wait on when ``async_op``."""
@@ -79,11 +81,12 @@ def dispatch(x, topk_ids, token_lora, partition: ExpertPartition, group, send: l
     ids = topk_ids.reshape(-1).long()
     order = torch.sort(partition.owner(ids), stable=True).indices
     rows_out = x.index_select(0, order // k)
+    bits = topk_weights.reshape(-1).float()[order].view(torch.int32).long()     # the weight rides as its bits
     meta_out = torch.stack([ids[order] - partition.first(ids[order]),
-                            token_lora.long().repeat_interleave(k)[order]], 1)
+                            token_lora.long().repeat_interleave(k)[order], bits], 1)
     R = sum(recv)
     rows = x.new_empty(R, x.shape[1])
-    meta = meta_out.new_empty(R, 2)
+    meta = meta_out.new_empty(R, 3)
     works = [dist.all_to_all_single(rows, rows_out, recv, send, group=group, async_op=async_op),
              dist.all_to_all_single(meta, meta_out, recv, send, group=group, async_op=async_op)]
     return Dispatch(order, send, recv, rows, meta, (rows_out, meta_out)), [w for w in works if w is not None]
@@ -91,12 +94,11 @@ def dispatch(x, topk_ids, token_lora, partition: ExpertPartition, group, send: l
 
 def experts(d: Dispatch, local: dict, *, lora_ranks=None, schedule: str = "auto", lora_path: str = "auto",
             validate: bool = True):
-    """Step 2: the local layer on the received pairs, one slot each, unit weights: out [R, H]."""
-    R = d.rows.shape[0]
+    """Step 2: the local layer on the received pairs, one slot each, with their weights: out [R, H]."""
     ids = d.meta[:, :1].contiguous()
-    ones = torch.ones(R, 1, dtype=torch.float32, device=d.rows.device)
+    weights = d.meta[:, 2:].to(torch.int32).view(torch.float32)
     lora = {key: local.get(key) for key in LORA_KEYS}
-    return moe_lora_layer(d.rows, ids, ones, d.meta[:, 1].contiguous(), local["w13"], local["w2"], **lora,
+    return moe_lora_layer(d.rows, ids, weights, d.meta[:, 1].contiguous(), local["w13"], local["w2"], **lora,
                           schedule=schedule, lora_path=lora_path, lora_ranks=lora_ranks, validate=validate)
 
 
@@ -107,13 +109,12 @@ def combine(out: torch.Tensor, d: Dispatch, group, *, async_op: bool = False):
     return back, work
 
 
-def finalize(back: torch.Tensor, d: Dispatch, topk_weights: torch.Tensor) -> torch.Tensor:
-    """Step 3b: undo the sort, weight each slot and sum over top-k (fp32): y [M, H] in the rows' dtype."""
-    M, k = topk_weights.shape
+def finalize(back: torch.Tensor, d: Dispatch, top_k: int) -> torch.Tensor:
+    """Step 3b: put the weighted rows back in pair order and sum over top-k: y [M, H] in the rows' dtype."""
     pairs = torch.empty_like(back)
     pairs[d.order] = back
-    y = (pairs.view(M, k, back.shape[1]).float() * topk_weights.float().unsqueeze(-1)).sum(1)
-    return y.to(back.dtype)
+    y = back.new_empty(len(d.order) // top_k, back.shape[1])
+    return topk_sum(pairs, y, top_k=top_k) if len(y) else y
 
 
 def ep_layer(x, topk_ids, topk_weights, token_lora, local: dict, partition: ExpertPartition, *, group=None,
@@ -157,12 +158,12 @@ def ep_layer(x, topk_ids, topk_weights, token_lora, local: dict, partition: Expe
 
 def _one_batch(x, topk_ids, topk_weights, token_lora, local, partition, group, counts, run, tracer):
     with _stage(tracer, "dispatch"):
-        d, _ = dispatch(x, topk_ids, token_lora, partition, group, counts.send[0], counts.recv[0])
+        d, _ = dispatch(x, topk_ids, topk_weights, token_lora, partition, group, counts.send[0], counts.recv[0])
     with _stage(tracer, "experts"):
         out = experts(d, local, **run)
     with _stage(tracer, "combine"):
         back, _ = combine(out, d, group)
-        return finalize(back, d, topk_weights)
+        return finalize(back, d, topk_ids.shape[1])
 
 
 def _pipelined(x, topk_ids, topk_weights, token_lora, local, partition, group, counts, run, tracer):
@@ -172,8 +173,8 @@ def _pipelined(x, topk_ids, topk_weights, token_lora, local, partition, group, c
     chunks = list(zip(*(t.tensor_split(len(counts.send)) for t in (x, topk_ids, topk_weights, token_lora))))
 
     def send(i):
-        cx, cids, _, clora = chunks[i]
-        return dispatch(cx, cids, clora, partition, group, counts.send[i], counts.recv[i], async_op=True)
+        cx, cids, cweights, clora = chunks[i]
+        return dispatch(cx, cids, cweights, clora, partition, group, counts.send[i], counts.recv[i], async_op=True)
 
     pending = send(0)
     combines = []
@@ -186,9 +187,9 @@ def _pipelined(x, topk_ids, topk_weights, token_lora, local, partition, group, c
         with _stage(tracer, f"experts[{i}]"):
             out = experts(d, local, **run)
         back, work = combine(out, d, group, async_op=True)
-        combines.append((back, d, chunks[i][2], work, out))
+        combines.append((back, d, work, out))
     results = []
-    for back, d, weights, work, _ in combines:
+    for back, d, work, _ in combines:
         work.wait()
-        results.append(finalize(back, d, weights))
+        results.append(finalize(back, d, topk_ids.shape[1]))
     return torch.cat(results, 0)
