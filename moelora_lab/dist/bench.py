@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -29,8 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..bench import common
-from ..config import LoRAShape, MoEShape, layer_lora_weights
+from ..config import MoEShape, benchmark_routing, layer_lora_weights
 from ..layer import moe_lora_layer
 from ..profile import timing
 from ..profile.timeline import Tracer
@@ -92,14 +92,23 @@ def collectives(rank, world, reps) -> list[dict]:
     return rows
 
 
+def _routing(shape, L, M, seed):
+    """(topk_ids, topk_weights, token_lora) of the benchmarks' M tokens on this GPU."""
+    r = benchmark_routing(shape, L, M, seed)
+    return tuple(r[n].cuda() for n in ("topk_ids", "topk_weights", "token_lora"))
+
+
 def _setup(shape, M, rank, world, L, rank_r, seed):
-    """This rank's tokens and routing, the full weights (the same on every GPU) and LoRA of rank r."""
+    """This rank's tokens and routing, the full weights (the same on every GPU: drawn on the device
+    from one seed, w13 ~ N(0, 1/H) then w2 ~ N(0, 1/I)) and LoRA of rank r."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    w13, w2 = common.base_weights(shape, gen, torch.bfloat16)
+    E, H, I = shape.num_experts, shape.hidden, shape.intermediate
+    w13 = torch.randn(E, 2 * I, H, device="cuda", generator=gen, dtype=torch.bfloat16) / H ** 0.5
+    w2 = torch.randn(E, H, I, device="cuda", generator=gen, dtype=torch.bfloat16) / I ** 0.5
     lora = layer_lora_weights(shape, L, rank_r, gen, torch.bfloat16)
-    ids, weights, token_lora = common.sweep_routing(shape, L, M, seed + 1000 * (rank + 1))
+    ids, weights, token_lora = _routing(shape, L, M, seed + 1000 * (rank + 1))
     x = torch.randn(M, shape.hidden, device="cuda", dtype=torch.bfloat16)
-    routing_all = [common.sweep_routing(shape, L, M, seed + 1000 * (w + 1))[0] for w in range(world)]
+    routing_all = [_routing(shape, L, M, seed + 1000 * (w + 1))[0] for w in range(world)]
     return x, ids, weights, token_lora, dict(w13=w13, w2=w2, **lora), routing_all
 
 
@@ -188,7 +197,7 @@ def trace(rank, world, args) -> list[dict]:
             prof.export_chrome_trace(str(path))
             doc = json.loads(path.read_text())
         kept = [e for e in doc.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy")
-                and "sleep" not in e.get("name", "")]
+                and not any(s in e.get("name", "") for s in ("sleep", "spin_kernel"))]
         pid = 10 * mb + rank
         label = f"GPU {rank}, {mb} micro-batch{'es' if mb > 1 else ''}"
         events.append(dict(name="process_name", ph="M", pid=pid, args=dict(name=label)))
@@ -237,9 +246,13 @@ def main(argv=None) -> int:
         return 2
     from moelora_lab.dist import bench          # the worker by its importable name, also when run as __main__
     results = run_local(bench.worker, args.world, args, backend="nccl", timeout_s=1800)
-    prov = dict(timing.provenance(common.command_line(["dist"] + list(argv or sys.argv[1:]))), world=args.world,
-                nccl=".".join(map(str, torch.cuda.nccl.version())), nvls=os.environ.get("NCCL_NVLS_ENABLE", "0"))
-    prov["command"] = prov["command"].replace("python -m moelora_lab.bench dist", "python -m moelora_lab.dist.bench")
+    kept = [a for a in (argv if argv is not None else sys.argv[1:])]
+    if "--out" in kept:                       # where it was written, not how it was measured
+        i = kept.index("--out")
+        del kept[i:i + 2]
+    command = " ".join(["python -m moelora_lab.dist.bench"] + [shlex.quote(a) for a in kept])
+    prov = dict(timing.provenance(command), world=args.world, nccl=".".join(map(str, torch.cuda.nccl.version())),
+                nvls=os.environ.get("NCCL_NVLS_ENABLE", "0"))
     for name in ("checks", "collectives", "steps"):
         rows = [row for res in results for row in res[name]]
         keys = list(dict.fromkeys(key for row in rows for key in row))      # ep and tp rows differ

@@ -94,8 +94,9 @@ def _single(p, case, with_lora):
     lora = {key: getattr(p, key) for key in LORA_KEYS} if with_lora else {}
     whole = moe_lora_layer(p.x, p.topk_ids, p.topk_weights, p.token_lora, p.w13, p.w2, **lora,
                            schedule="sequential", lora_ranks=_ranks(case, p.x.device))
-    spec_lora = {key: getattr(p, key) if with_lora else None for key in LORA_KEYS}
-    spec = moe_layer_reference(p.x, p.topk_ids, p.topk_weights, p.token_lora, p.w13, p.w2, **spec_lora)
+    no_adapter = torch.full_like(p.token_lora, -1)          # the spec without LoRA: no token has an adapter
+    spec = moe_layer_reference(p.x, p.topk_ids, p.topk_weights, p.token_lora if with_lora else no_adapter, p.w13,
+                               p.w2, **{key: getattr(p, key) for key in LORA_KEYS})
     return whole, spec
 
 
