@@ -126,7 +126,10 @@ def test_draw_gpu_timeline_rows_and_window():
     draw_gpu_timeline(ax, lanes, from_last_start=True)
     assert [t.get_text() for t in ax.get_yticklabels()] == [label for label, _ in lanes]
     lo, hi = ax.get_xlim()
-    assert lo < 100 < hi and hi >= 110                 # from GPU 1's first kernel (µs from the first of all)
+    assert lo < 0 < 10 <= hi < 100                     # time counts from GPU 1's first kernel (at 100)
+    assert "last GPU" in ax.get_xlabel()
+    starts = sorted(bar.get_paths()[0].vertices[:, 0].min() for bar in ax.collections)
+    assert starts[0] == pytest.approx(-100)            # GPU 0's kernels began 100 µs before, out of view
     with pytest.raises(ValueError, match="lanes"):
         draw_gpu_timeline(axes(), [])
 

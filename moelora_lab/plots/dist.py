@@ -176,32 +176,36 @@ def overlap_us(lanes: list) -> float:
 
 def draw_gpu_timeline(ax, lanes: list, *, title: str | None = None, from_last_start: bool = False) -> None:
     """One row per (GPU, CUDA stream), kernels as bars coloured by ``kernel_kind``, µs from the first
-    kernel of any row (the GPUs share the host's clock). ``from_last_start``: show time only from when
-    the last GPU started (before that, the first GPU's NCCL kernel only waits for its peer)."""
+    kernel of any row (the GPUs share the host's clock). ``from_last_start``: time counts, and the
+    view starts, from when the last GPU started (before that, the first GPU's NCCL kernel only waits
+    for its peer)."""
     _check_ax(ax)
     if not isinstance(lanes, list) or not lanes or not all(isinstance(x, tuple) and len(x) == 2 for x in lanes):
         raise ValueError("lanes: expected gpu_lanes' non-empty list of (label, records)")
     starts = [r["start_us"] for _, recs in lanes for r in recs]
     if not starts:
         raise ValueError("lanes: no kernel records to draw")
-    t0 = min(starts)
+    t0, end = min(starts), max(r["end_us"] for _, recs in lanes for r in recs)
+    lo = 0.0
+    if from_last_start:                   # the origin moves to the last GPU's first kernel
+        firsts: dict = {}
+        for label, recs in lanes:
+            gpu = label.split(",")[0]
+            firsts[gpu] = min([firsts.get(gpu, float("inf"))] + [r["start_us"] for r in recs])
+        t0 = max(firsts.values())
+        lo = -0.02 * (end - t0)
     for y, (label, recs) in enumerate(lanes):
         for kind, color in KIND_COLORS.items():
             bars = [(r["start_us"] - t0, r["end_us"] - r["start_us"]) for r in recs if kernel_kind(r["name"]) == kind]
             if bars:
                 ax.broken_barh(bars, (y - 0.35, 0.7), facecolors=color, edgecolor="black", linewidth=0.3)
     if from_last_start:
-        firsts: dict = {}
-        for label, recs in lanes:
-            gpu = label.split(",")[0]
-            firsts[gpu] = min([firsts.get(gpu, float("inf"))] + [r["start_us"] for r in recs])
-        end = max(r["end_us"] for _, recs in lanes for r in recs)
-        lo = max(firsts.values()) - t0
-        ax.set_xlim(lo - 0.02 * (end - t0 - lo), end - t0 + 0.02 * (end - t0 - lo))
+        ax.set_xlim(lo, (end - t0) * 1.02)
     ax.set_yticks(range(len(lanes)))
     ax.set_yticklabels([label for label, _ in lanes], fontsize=FONT)
     ax.set_ylim(len(lanes) - 0.5, -0.5)
-    ax.set_xlabel("µs from the first kernel", fontsize=FONT)
+    ax.set_xlabel("µs from the last GPU's first kernel" if from_last_start else "µs from the first kernel",
+                  fontsize=FONT)
     ax.legend([Rectangle((0, 0), 1, 1, facecolor=c, edgecolor="black") for c in KIND_COLORS.values()],
               list(KIND_COLORS), fontsize=FONT - 1, loc="upper right")
     if title:
