@@ -15,7 +15,7 @@ os.environ["MOELORA_INTERPRET"] = "0"
 import triton  # noqa: E402  (after the switch: moelora_lab is imported below, kernels after it)
 
 import moelora_lab  # noqa: E402,F401
-from moelora_lab.kernels import align, base_moe, one_shot, small_batch, two_kernel  # noqa: E402
+from moelora_lab.kernels import align, base_moe, combine, one_shot, small_batch, two_kernel  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
@@ -85,6 +85,8 @@ def main():
          dict(BLOCK=1024, HAS_DELTA=True)),
         ("topk_sum", base_moe.topk_sum_kernel, dict(ptrs("c3_ptr", "delta_ptr", "y_ptr"), token_lora_ptr=i32),
          dict(BLOCK=1024, HAS_DELTA=True)),
+        ("combine.gather_sum", combine.gather_sum_kernel, dict(ptrs("rows_ptr", "y_ptr"), pos_ptr="*i64"),
+         dict(BLOCK=1024)),
     ]
     ai = dict(topk_ids_ptr="*i64", token_lora_ptr="*i64", counts_ptr=i32, totals_ptr=i32, sorted_pairs_ptr=i32,
               block_lora_ptr=i32, block_expert_ptr=i32)

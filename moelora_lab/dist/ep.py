@@ -16,7 +16,7 @@ runs three steps, as serving engines' modular MoE layers do:
    plan and schedules, the weight applied in the w2 GEMM's epilogue as on one GPU; LoRA included,
    because a pair carries its adapter id.
 3. **finalize / combine**: the all-to-all in reverse brings each pair's weighted output [R, H]
-   home, where the rows are put back in pair order and summed over top-k by the layer's own kernel.
+   home, where ``kernels/combine.py`` sums each token's k rows, read where they arrived.
 
 Each remote pair moves H values twice (there and back). Rows are not deduplicated: a token whose
 k experts sit on one rank is sent k times (``comm.ep_bytes`` counts both choices).
@@ -30,9 +30,11 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+import triton
 
+from .._backend import on_device
+from ..kernels.combine import gather_sum_kernel
 from ..layer import moe_lora_layer
-from ..moe import topk_sum
 from ..validate import check_int
 from .partition import LORA_KEYS, ExpertPartition
 
@@ -110,11 +112,18 @@ def combine(out: torch.Tensor, d: Dispatch, group, *, async_op: bool = False):
 
 
 def finalize(back: torch.Tensor, d: Dispatch, top_k: int) -> torch.Tensor:
-    """Step 3b: put the weighted rows back in pair order and sum over top-k: y [M, H] in the rows' dtype."""
-    pairs = torch.empty_like(back)
-    pairs[d.order] = back
-    y = back.new_empty(len(d.order) // top_k, back.shape[1])
-    return topk_sum(pairs, y, top_k=top_k) if len(y) else y
+    """Step 3b: sum each token's k weighted rows, read where they arrived: y [M, H] in the rows' dtype."""
+    P, H = back.shape
+    y = back.new_empty(P // top_k, H)
+    if P == 0:
+        return y
+    pos = torch.empty_like(d.order)
+    pos[d.order] = torch.arange(P, device=back.device)          # the row of each pair in ``back``
+    block = min(1024, triton.next_power_of_2(H))
+    with on_device(back):
+        gather_sum_kernel[(P // top_k, triton.cdiv(H, block))](back, pos, y, top_k, H, back.stride(0), y.stride(0),
+                                                               BLOCK=block)
+    return y
 
 
 def ep_layer(x, topk_ids, topk_weights, token_lora, local: dict, partition: ExpertPartition, *, group=None,
