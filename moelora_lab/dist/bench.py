@@ -49,17 +49,30 @@ SIZES = [1 << p for p in range(12, 29, 2)]          # 4 KiB .. 256 MiB per rank
 PARK_CYCLES = 20_000_000                             # ~10 ms of GPU sleep while the host queues the call
 
 
-def _events_us(fn, reps: int, warmup: int = 3, *, park: bool = True) -> tuple[list, dict, float]:
-    """Total µs per repetition, {stage: [µs]} (Tracer on the compute stream) and the host's median
-    µs to queue the call. A barrier first; ``park``: the stream first sleeps while the host queues
-    every launch, so the events time the GPU, not Python (the call must not wait on the host)."""
+def _park_us(cycles: int) -> float:
+    """How long the park sleeps on this GPU, in µs."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3
+
+
+def _events_us(fn, reps: int, warmup: int = 3, *, park: bool = True) -> tuple[list, dict, float, float]:
+    """Total µs per repetition, {stage: [µs]} (Tracer on the compute stream), the host's median µs
+    to queue the call and the park's µs. A barrier first; ``park``: the stream first sleeps while the
+    host queues every launch, so the events time the GPU, not Python (the call must not wait on the
+    host). After the warm-up the park grows to twice the slowest rank's queueing time if it was
+    shorter (every rank parks as long, so their collectives still meet)."""
     totals, stages, host = [], {}, []
+    cycles = PARK_CYCLES
     for i in range(warmup + reps):
         tracer = Tracer()
         dist.barrier()
         torch.cuda.synchronize()
         if park:
-            torch.cuda._sleep(PARK_CYCLES)
+            torch.cuda._sleep(cycles)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t0 = time.perf_counter()
         start.record()
@@ -67,12 +80,16 @@ def _events_us(fn, reps: int, warmup: int = 3, *, park: bool = True) -> tuple[li
         end.record()
         t1 = time.perf_counter()
         records = tracer.records()
+        if i == warmup - 1 and park:
+            need = torch.tensor([2 * (t1 - t0) * 1e6 / _park_us(cycles)], device="cuda")
+            dist.all_reduce(need, op=dist.ReduceOp.MAX)
+            cycles = max(cycles, int(cycles * float(need)))
         if i >= warmup:
             totals.append(start.elapsed_time(end) * 1e3)
             host.append((t1 - t0) * 1e6)
             for r in records:
                 stages.setdefault(r["name"], []).append(r["end_us"] - r["start_us"])
-    return totals, stages, statistics.median(host)
+    return totals, stages, statistics.median(host), _park_us(cycles) if park else 0.0
 
 
 def collectives(rank, world, reps) -> list[dict]:
@@ -86,7 +103,7 @@ def collectives(rank, world, reps) -> list[dict]:
         for op, fn in ops.items():
             if fn is None:
                 continue
-            totals, _, _ = _events_us(lambda tracer: fn(), reps)
+            totals, _, _, _ = _events_us(lambda tracer: fn(), reps)
             rows.append(dict(op=op, bytes_per_rank=size, us_median=round(statistics.median(totals), 2),
                              us_min=round(min(totals), 2)))
     return rows
@@ -146,13 +163,14 @@ def steps(rank, world, args) -> list[dict]:
             cases[("ep_counts", "none", 1)] = lambda tr: count_pairs(ids, part)     # waits on the host: not parked
             model = ep_bytes(routing_all, part, shape.hidden)
             for (layer, tag, mb), fn in cases.items():
-                totals, stages, host_us = _events_us(fn, args.reps, park=layer != "ep_counts")
+                totals, stages, host_us, park_us = _events_us(fn, args.reps, park=layer != "ep_counts")
                 comm = _comm_bytes(layer, rank, world, M, shape, r if tag != "none" else 0, model)
                 for stage, us in [("total", totals)] + sorted(stages.items()):
                     rows.append(dict(layer=layer, lora=tag, micro_batches=mb, M_per_rank=M, tokens_layer=(
                         M * world if layer.startswith("tp") else M), stage=stage,
                         us_median=round(statistics.median(us), 2), us_p20=round(_q(us, 0.2), 2),
                         us_p80=round(_q(us, 0.8), 2), host_us=round(host_us, 1), parked=layer != "ep_counts",
+                        park_us=round(park_us, 1), gpu_timed=host_us < park_us,
                         model_bytes=comm.get(stage, ""), rank=rank))
             del x, full, lora, base, cases
             torch.cuda.empty_cache()
