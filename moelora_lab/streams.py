@@ -73,4 +73,9 @@ class Streams:
             self.main.wait_event(self.joined)
 
     def stage(self, name, lane):
-        return self.tracer.stage(name, lane) if self.tracer is not None else contextlib.nullcontext()
+        return traced(self.tracer, name, lane)
+
+
+def traced(tracer, name: str, lane: str = "main"):
+    """``tracer.stage(name, lane)`` (``profile.timeline.Tracer``), or nothing without a tracer."""
+    return tracer.stage(name, lane) if tracer is not None else contextlib.nullcontext()

@@ -38,6 +38,7 @@ def errors(rank, world) -> dict:
         partition=_message(lambda: ep_layer(*args, local, ExpertPartition(p.shape.num_experts, 3))),
         local=_message(lambda: ep_layer(*args, weights, part)),
         counts=_message(lambda: ep_layer(*args, local, part, micro_batches=2, counts=counts)),
+        ids=_message(lambda: ep_layer(p.x, p.topk_ids + 100, p.topk_weights, p.token_lora, local, part)),
         tp_shards=_message(lambda: tp_layer(*args, replicated, fully_sharded=True)),
     )
 

@@ -78,7 +78,7 @@ def _weights(p, with_lora: bool) -> dict:
     return w
 
 
-def _ranks(case, device):
+def _ranks(case):
     ranks = case["adapter_ranks"]
     return None if ranks is None else torch.tensor(ranks, dtype=torch.int32)
 
@@ -93,7 +93,7 @@ def _compare(y, whole, spec, scale) -> dict:
 def _single(p, case, with_lora):
     lora = {key: getattr(p, key) for key in LORA_KEYS} if with_lora else {}
     whole = moe_lora_layer(p.x, p.topk_ids, p.topk_weights, p.token_lora, p.w13, p.w2, **lora,
-                           schedule="sequential", lora_ranks=_ranks(case, p.x.device))
+                           schedule="sequential", lora_ranks=_ranks(case))
     no_adapter = torch.full_like(p.token_lora, -1)          # the spec without LoRA: no token has an adapter
     spec = moe_layer_reference(p.x, p.topk_ids, p.topk_weights, p.token_lora if with_lora else no_adapter, p.w13,
                                p.w2, **{key: getattr(p, key) for key in LORA_KEYS})
@@ -107,7 +107,7 @@ def ep_case(rank: int, world: int, case: dict) -> dict:
     local = part.shard(_weights(p, case["lora"]), rank)
     lo, hi = sum(tokens[:rank]), sum(tokens[:rank + 1])
     y = ep_layer(p.x[lo:hi], p.topk_ids[lo:hi], p.topk_weights[lo:hi], p.token_lora[lo:hi], local, part,
-                 lora_ranks=_ranks(case, p.x.device), micro_batches=case["micro_batches"], schedule=case["schedule"],
+                 lora_ranks=_ranks(case), micro_batches=case["micro_batches"], schedule=case["schedule"],
                  lora_path=case["lora_path"])
     whole, spec = _single(p, case, case["lora"])
     received = _received(p.topk_ids[:sum(tokens)], part, rank)
@@ -125,7 +125,7 @@ def tp_case(rank: int, world: int, case: dict) -> dict:
     p, tokens = make_case_problem(case, world)
     local = shard_tp(_weights(p, case["lora"]), rank, world, fully_sharded=case["fully_sharded"])
     y = tp_layer(p.x, p.topk_ids, p.topk_weights, p.token_lora, local, fully_sharded=case["fully_sharded"],
-                 lora_ranks=_ranks(case, p.x.device), lora_path=case["lora_path"])
+                 lora_ranks=_ranks(case), lora_path=case["lora_path"])
     whole, spec = _single(p, case, case["lora"])
     same = [torch.empty_like(y) for _ in range(world)]
     dist.all_gather(same, y.contiguous())

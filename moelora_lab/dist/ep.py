@@ -25,7 +25,6 @@ experts of this one (asynchronous collectives; NCCL runs them on its own stream)
 """
 from __future__ import annotations
 
-import contextlib
 from typing import NamedTuple
 
 import torch
@@ -35,6 +34,7 @@ import triton
 from .._backend import on_device
 from ..kernels.combine import gather_sum_kernel
 from ..layer import moe_lora_layer
+from ..streams import traced
 from ..validate import check_int
 from .partition import LORA_KEYS, ExpertPartition
 
@@ -48,10 +48,6 @@ class Dispatch(NamedTuple):
     rows: torch.Tensor       # [R, H] received rows
     meta: torch.Tensor       # [R, 3] int64 (local expert id, adapter slot, fp32 routing weight's bits)
     sent: tuple              # the outgoing rows and metadata, kept alive while an async exchange runs
-
-
-def _stage(tracer, name):
-    return tracer.stage(name, "main") if tracer is not None else contextlib.nullcontext()
 
 
 class Counts(NamedTuple):
@@ -150,10 +146,13 @@ def ep_layer(x, topk_ids, topk_weights, token_lora, local: dict, partition: Expe
     if local["w13"].shape[0] != E_w:
         raise ValueError(f"local: w13 holds {local['w13'].shape[0]} experts, but rank {rank} owns {E_w} "
                          f"({partition.experts_of(rank)}); pass partition.shard(weights, {rank})")
-    if validate and topk_ids.numel() and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= partition.num_experts):
-        raise ValueError(f"topk_ids: global expert ids must lie in [0, {partition.num_experts})")
+    if validate and topk_ids.numel():
+        lo, hi = torch.stack(torch.aminmax(topk_ids)).tolist()          # one synchronisation
+        if lo < 0 or hi >= partition.num_experts:
+            raise ValueError(f"topk_ids: global expert ids must lie in [0, {partition.num_experts}), got ids "
+                             f"from {lo} to {hi}")
     if counts is None:
-        with _stage(tracer, "counts"):
+        with traced(tracer, "counts"):
             counts = count_pairs(topk_ids, partition, group=group, micro_batches=micro_batches)
     elif len(counts.send) != micro_batches or any(len(c) != world for c in counts.send):
         raise ValueError(f"counts: made for {len(counts.send)} micro-batch(es) of {len(counts.send[0])} ranks; this "
@@ -166,11 +165,11 @@ def ep_layer(x, topk_ids, topk_weights, token_lora, local: dict, partition: Expe
 
 
 def _one_batch(x, topk_ids, topk_weights, token_lora, local, partition, group, counts, run, tracer):
-    with _stage(tracer, "dispatch"):
+    with traced(tracer, "dispatch"):
         d, _ = dispatch(x, topk_ids, topk_weights, token_lora, partition, group, counts.send[0], counts.recv[0])
-    with _stage(tracer, "experts"):
+    with traced(tracer, "experts"):
         out = experts(d, local, **run)
-    with _stage(tracer, "combine"):
+    with traced(tracer, "combine"):
         back, _ = combine(out, d, group)
         return finalize(back, d, topk_ids.shape[1])
 
@@ -193,7 +192,7 @@ def _pipelined(x, topk_ids, topk_weights, token_lora, local, partition, group, c
             w.wait()                          # the current stream waits for this batch's rows
         if i + 1 < len(chunks):
             pending = send(i + 1)
-        with _stage(tracer, f"experts[{i}]"):
+        with traced(tracer, f"experts[{i}]"):
             out = experts(d, local, **run)
         back, work = combine(out, d, group, async_op=True)
         combines.append((back, d, work, out))

@@ -19,8 +19,6 @@ can keep it in registers, and the two-kernel path (``paths.launch_shrink`` then
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 
@@ -30,16 +28,13 @@ from ..layer import plan_layer
 from ..moe import gemm_tiles, moe_gemm, silu_and_mul, topk_sum
 from ..ops import run_lora
 from ..paths import launch_expand, launch_shrink
+from ..streams import traced
 from ..validate import ANY_SLOT, check_routing, check_values, routing_ranges
 from .partition import local_ranks
 
 
 # torch >= 2.13 renames all_gather_into_tensor (and warns on the old name)
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _stage(tracer, name, lane="main"):
-    return tracer.stage(name, lane) if tracer is not None else contextlib.nullcontext()
 
 
 def _lora_dims(local: dict, fully_sharded: bool, world: int):
@@ -93,22 +88,22 @@ def tp_layer(x, topk_ids, topk_weights, token_lora, local: dict, *, fully_sharde
         c3 = x.new_empty(P, H)
         y = x.new_empty(M, H)
         d13 = d2 = None
-        with _stage(tracer, "base_w13"):
+        with traced(tracer, "base_w13"):
             moe_gemm(x, w13, plan.base_blocks, c1, top_k=k, tiles=tiles)
         if with_lora and r > 0:
             d13 = x.new_empty(P, 2 * I_w)
             _lora_w13(x, topk_ids, topk_weights, token_lora, local, plan, d13, ranks, fully_sharded, group,
                       tracer)
-        with _stage(tracer, "act"):
+        with traced(tracer, "act"):
             silu_and_mul(c1, h, top_k=k, delta=d13, token_lora=token_lora)
-        with _stage(tracer, "base_w2"):
+        with traced(tracer, "base_w2"):
             moe_gemm(h, w2, plan.base_blocks, c3, top_k=k, topk_weights=weights, tiles=tiles)
         if with_lora and r > 0:
             d2 = _lora_w2(h, topk_ids, topk_weights, token_lora, local, plan, c3, weights, ranks, fully_sharded,
                           group, tracer)
-        with _stage(tracer, "sum"):
+        with traced(tracer, "sum"):
             topk_sum(c3, y, top_k=k, delta=d2, token_lora=token_lora)
-        with _stage(tracer, "all_reduce_y", "comm"):
+        with traced(tracer, "all_reduce_y", "comm"):
             dist.all_reduce(y, group=group)
     return y
 
@@ -124,7 +119,7 @@ def _lora_w13(x, topk_ids, topk_weights, token_lora, local, plan, d13, ranks, fu
     a13, b13 = local["w13_lora_a"], local["w13_lora_b"]
     M, k = topk_ids.shape
     if not fully_sharded:
-        with _stage(tracer, "lora_w13"):
+        with traced(tracer, "lora_w13"):
             run_lora(x, topk_ids, topk_weights, token_lora, a13, b13, d13.view(M, k, -1), plan.lora_blocks,
                      plan.lora_path, mul_routed_weight=False, add_inputs=False, lora_ranks=ranks)
         return
@@ -132,14 +127,14 @@ def _lora_w13(x, topk_ids, topk_weights, token_lora, local, plan, d13, ranks, fu
     P, r_w, r = M * k, a13[0].shape[2], b13[0].shape[3]
     cfg = _config(plan, P, b13[0].shape[2], 2, x.device, r)
     mine = x.new_empty(2, P, r_w)
-    with _stage(tracer, "shrink_w13"):
+    with traced(tracer, "shrink_w13"):
         launch_shrink(x, a13, mine, plan.lora_blocks, cfg, top_k=k, token_rows=True,
                       lora_ranks=local_ranks(ranks, rank, world, r))
-    with _stage(tracer, "all_gather_T13", "comm"):
+    with traced(tracer, "all_gather_T13", "comm"):
         parts = x.new_empty(world * 2, P, r_w)          # ranks stacked along dim 0
         _all_gather(parts, mine, group=group)
         t = parts.view(world, 2, P, r_w).permute(1, 2, 0, 3).reshape(2, P, r)         # rank w's rows are r_w * w .. r_w * (w+1)
-    with _stage(tracer, "expand_w13"):
+    with traced(tracer, "expand_w13"):
         launch_expand(t, b13, d13, d13, plan.lora_blocks, cfg, mul_routed_weight=False, add_inputs=False,
                       lora_ranks=ranks)
 
@@ -152,7 +147,7 @@ def _lora_w2(h, topk_ids, topk_weights, token_lora, local, plan, c3, weights, ra
     P, H = c3.shape
     if not fully_sharded:
         d2 = torch.empty_like(c3)
-        with _stage(tracer, "lora_w2"):
+        with traced(tracer, "lora_w2"):
             run_lora(h, topk_ids, topk_weights, token_lora, a2, b2, d2.view(M, k, H), plan.lora_blocks,
                      plan.lora_path, mul_routed_weight=True, add_inputs=False, lora_ranks=ranks)
         return d2
@@ -160,11 +155,11 @@ def _lora_w2(h, topk_ids, topk_weights, token_lora, local, plan, c3, weights, ra
     r, H_w = a2[0].shape[2], b2[0].shape[2]
     cfg = _config(plan, P, H_w, 1, h.device, r)
     t = h.new_empty(1, P, r)
-    with _stage(tracer, "shrink_w2"):
+    with traced(tracer, "shrink_w2"):
         launch_shrink(h, a2, t, plan.lora_blocks, cfg, top_k=k, token_rows=False, lora_ranks=ranks)
-    with _stage(tracer, "all_reduce_T2", "comm"):
+    with traced(tracer, "all_reduce_T2", "comm"):
         dist.all_reduce(t, group=group)       # rows of pairs without an adapter hold garbage: never read
-    with _stage(tracer, "expand_w2"):
+    with traced(tracer, "expand_w2"):
         launch_expand(t, b2, c3[:, rank * H_w:(rank + 1) * H_w], weights, plan.lora_blocks, cfg,
                       mul_routed_weight=True, add_inputs=True, lora_ranks=ranks)
     return None
