@@ -65,6 +65,8 @@ def moe_gemm(x: torch.Tensor, w: torch.Tensor, blocks: BlockList, out: torch.Ten
     adapter l. Inputs are trusted (the layer validates them).
 
     x: [M, K] token rows or [P, K] pair rows; w: [E, N, K]; out: [P, N]; topk_weights: [P] fp32 or None.
+    ``tiles`` may add ``W_TMA=True``: W tiles by TMA bulk copies (a GPU of compute capability 9.0 or
+    later, or the interpreter; w contiguous, rows 16-byte aligned).
     """
     E, N, K = w.shape
     P = out.shape[0]
@@ -74,6 +76,8 @@ def moe_gemm(x: torch.Tensor, w: torch.Tensor, blocks: BlockList, out: torch.Ten
                          "block_list(..., block_size=gemm_tiles(...)['BLOCK_M'])")
     warps, stages = tiles.pop("num_warps"), tiles.pop("num_stages")
     tiles.setdefault("GROUP_M", 1)
+    w_tma = tiles.pop("W_TMA", False)
+    w_desc = _w_descriptor(w, tiles["BLOCK_N"], tiles["BLOCK_K"]) if w_tma else w
     mul = topk_weights is not None
     if lora is None:
         a = b = (w, w)                                  # never read
@@ -89,15 +93,29 @@ def moe_gemm(x: torch.Tensor, w: torch.Tensor, blocks: BlockList, out: torch.Ten
     has_ranks = lora is not None and lora.lora_ranks is not None
     with on_device(x):
         moe_gemm_kernel[grid](
-            x, w, out, topk_weights if mul else out, blocks.sorted_pairs, blocks.block_expert,
+            x, w, w_desc, out, topk_weights if mul else out, blocks.sorted_pairs, blocks.block_expert,
             lora.token_lora if lora is not None else blocks.block_expert, *a, *b,
             lora.lora_ranks if has_ranks else blocks.block_expert,
             P, top_k, K, N, blocks.num_blocks, L, R, n_slice,
             x.stride(0), x.stride(1), *w.stride(), out.stride(0), out.stride(1), *a_strides, *b_strides,
             BLOCK_LR=block_lr, TOKEN_ROWS=x.shape[0] != P or top_k == 1, MUL_ROUTED_WEIGHT=mul,
-            HAS_LORA=lora is not None, HAS_RANKS=has_ranks,
+            HAS_LORA=lora is not None, HAS_RANKS=has_ranks, W_TMA=w_tma,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages, **tiles)
     return out
+
+
+def _w_descriptor(w: torch.Tensor, block_n: int, block_k: int):
+    """A host TMA descriptor of w viewed [E*N, K] with a [BLOCK_N, BLOCK_K] box."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    E, N, K = w.shape
+    if not INTERPRET and (w.device.type != "cuda" or torch.cuda.get_device_capability(w.device)[0] < 9):
+        raise ValueError("tiles: W_TMA=True needs a GPU with a tensor memory accelerator (compute capability 9.0 "
+                         "or later); leave W_TMA out elsewhere")
+    if not w.is_contiguous() or (K * w.element_size()) % 16 or w.data_ptr() % 16:
+        raise ValueError(f"w: W_TMA=True needs a contiguous weight with 16-byte aligned rows (K = {K} of "
+                         f"{w.dtype}); call w.contiguous() or leave W_TMA out")
+    return TensorDescriptor.from_tensor(w.view(E * N, K), [block_n, block_k])
 
 
 def _block(n: int) -> int:

@@ -62,8 +62,9 @@ def main():
                 topk_weights_ptr="*fp32", sorted_pairs_ptr=i32, block_lora_ptr=i32, block_expert_ptr=i32,
                 lora_ranks_ptr=i32, topk_ids_ptr=i32, token_lora_ptr=i32)
     common = dict(TOKEN_ROWS=True, MUL_ROUTED_WEIGHT=True, ADD_INPUTS=False, DOT_PRECISION="tf32")
-    gemm = dict(lora, **ptrs("w_ptr"))
-    gemm_c = dict(BLOCK_N=128, BLOCK_K=64, TOKEN_ROWS=True, MUL_ROUTED_WEIGHT=True, EVEN_K=True, DOT_PRECISION="tf32")
+    gemm = dict(lora, **ptrs("w_ptr", "w_desc"))
+    gemm_c = dict(BLOCK_N=128, BLOCK_K=64, TOKEN_ROWS=True, MUL_ROUTED_WEIGHT=True, EVEN_K=True, DOT_PRECISION="tf32",
+                  W_TMA=False)
     cases = []
     for tiles, ranks in ((1, False), (2, True), (4, True)):
         cases.append((f"one_shot rank_tiles={tiles} ranks={ranks}", one_shot.one_shot_kernel, lora,

@@ -71,6 +71,15 @@ def test_gemm_tile_grid_pipeline(cpu_bench, tmp_path, monkeypatch):
         (op, rank, d) for op in ("w13", "w2") for rank in (0, 8) for d in ("True", "False")}
 
 
+def test_gemm_rule_tiles_with_and_without_tma(cpu_bench, tmp_path):
+    assert cli.main(["gemm", "--presets", "tiny", "--tokens", "2", "--dtype", "float32", "--lora-rank", "8",
+                     "--rule-only", "--w-tma", "--out", str(tmp_path)]) == 0
+    rows = read_csv(tmp_path / "gemm_tune.csv")
+    # w13 and w2, without and with the in-GEMM LoRA, the rule's tiles with pointer and with TMA loads of W
+    assert len(rows) == 2 * 2 * 2 and all(r["error"] == "" and r["rule_at_run"] == "True" for r in rows)
+    assert sorted(r["w_tma"] for r in rows) == ["False"] * 4 + ["True"] * 4
+
+
 def test_registers_on_cpu_records_the_reason(cpu_bench, tmp_path):
     assert cli.main(["registers", "--ranks", "16", "--block-m", "16", "--max-block-r", "128",
                        "--out", str(tmp_path)]) == 0

@@ -30,9 +30,9 @@ def expected(p, x, w, lora_a, lora_b, mul, ranks=None):
     return out
 
 
-def run(p, x, w, lora, mul):
+def run(p, x, w, lora, mul, **tile_changes):
     M, k = p.topk_ids.shape
-    tiles = gemm_tiles(M * k, SHAPE.num_experts)
+    tiles = dict(gemm_tiles(M * k, SHAPE.num_experts), **tile_changes)
     blocks = make_blocks(p.topk_ids, torch.zeros_like(p.token_lora), SHAPE.num_experts, 1, tiles["BLOCK_M"])
     out = poisoned((M * k, w.shape[1]), x.dtype, x.device)    # an unwritten row stays NaN and fails
     weights = p.topk_weights.reshape(-1).float().contiguous() if mul else None
@@ -50,6 +50,31 @@ def test_in_gemm_lora_matches_reference(device, dtype, M, rank, kw):
     h = torch.randn(M * SHAPE.top_k, SHAPE.intermediate, device=device, dtype=dtype)
     out2 = run(p, h, p.w2, GemmLoRA(tl32, p.w2_lora_a, p.w2_lora_b), mul=True)
     assert_close(out2, expected(p, h, p.w2, p.w2_lora_a, p.w2_lora_b, True), dtype)
+
+
+@pytest.mark.parametrize("with_lora", [False, True])
+@pytest.mark.parametrize("tiles", [{}, dict(BLOCK_N=32, BLOCK_K=16)])
+def test_w_tiles_by_tma_match_reference(device, with_lora, tiles):
+    """W_TMA: the W tile as one bulk copy of the [E*N, K] view; N and K not multiples of the tiles, so
+    tiles reach into the next expert's rows (never stored) and past the tensor (zeros)."""
+    p = case(device, torch.float16, 13, 8, seed=3, no_adapter_fraction=0.3)
+    tl32 = p.token_lora.to(torch.int32)
+    lora13 = GemmLoRA(tl32, p.w13_lora_a, p.w13_lora_b) if with_lora else None
+    out13 = run(p, p.x, p.w13, lora13, mul=False, W_TMA=True, **tiles)
+    a13, b13 = (p.w13_lora_a, p.w13_lora_b) if with_lora else ([torch.zeros_like(a) for a in p.w13_lora_a],
+                                                                 p.w13_lora_b)
+    assert_close(out13, expected(p, p.x, p.w13, a13, b13, False), torch.float16)
+    h = torch.randn(13 * SHAPE.top_k, SHAPE.intermediate, device=device, dtype=torch.float16)
+    zeros2 = [torch.zeros_like(a) for a in p.w2_lora_a]
+    out2 = run(p, h, p.w2, None, mul=True, W_TMA=True, **tiles)
+    assert_close(out2, expected(p, h, p.w2, zeros2, p.w2_lora_b, True), torch.float16)
+
+
+def test_w_tma_refuses_a_strided_weight(device):
+    p = case(device, torch.float16, 4, 8, seed=0)
+    strided = p.w13.transpose(1, 2).contiguous().transpose(1, 2)          # same values, K not fastest
+    with pytest.raises(ValueError, match="w: W_TMA=True needs a contiguous weight"):
+        run(p, p.x, strided, None, mul=False, W_TMA=True)
 
 
 def test_in_gemm_lora_touches_only_rows_with_an_adapter(device):

@@ -2,7 +2,8 @@
 the in-GEMM LoRA), the evidence behind ``moe.gemm_tiles``.
 
 For each (preset, w13/w2, M) every tile in ``TILE_GRID`` (and BLOCK_M 64 / 128 once experts get
-more than 32 pairs, each with GROUP_M 1 and 8) is checked against the rule's tiles' output and
+more than 32 pairs, each with GROUP_M 1 and 8; ``--rule-only``: the rule's tiles alone; ``--w-tma``:
+each also with its W tiles by TMA bulk copies, column ``w_tma``) is checked against the rule's tiles' output and
 timed as a CUDA-graph replay with L2 flushed; ``torch._grouped_mm`` on rows already grouped by
 expert is timed next to it, per GEMM and for the w13 + w2 pair. The CSV is rewritten after every
 M, so a cut-short run keeps its rows.
@@ -36,6 +37,9 @@ def add_parser(sub):
                      name="gemm_tune", tokens=(1, 16, 64, 128, 512, 2048, 8192), max_seconds=True)
     g.add_argument("--lora-rank", type=int, default=16, help="rank of the in-GEMM LoRA rows (0: none)")
     g.add_argument("--lora-max-tokens", type=int, default=128, help="time the in-GEMM LoRA up to this M")
+    g.add_argument("--rule-only", action="store_true", help="only the rule's tiles, not the grid")
+    g.add_argument("--w-tma", action="store_true",
+                   help="also time every tile with W tiles by TMA bulk copies (W_TMA=True; compute capability >= 9.0)")
 
 
 def _tiles_for(per_expert: float, default: dict) -> list[dict]:
@@ -81,7 +85,8 @@ def run(args) -> list[dict]:
                     default = gemm_tiles(P, E, lora=bool(rank))
                     out = torch.empty(P, w.shape[1], device=device(), dtype=dtype)
                     want = None
-                    for tiles in _tiles_for(P / E, default):
+                    grid = [default] if args.rule_only else _tiles_for(P / E, default)
+                    for tiles in [dict(t, W_TMA=tma) for t in grid for tma in ((False, True) if args.w_tma else (False,))]:
                         bm = tiles["BLOCK_M"]
                         if bm not in blocks:
                             blocks[bm] = make_blocks(ids, None, E, 1, bm)
@@ -101,7 +106,8 @@ def run(args) -> list[dict]:
                         except Exception as exc:    # e.g. out of shared memory for this tile: record, go on
                             error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
                         rows.append(dict(preset=preset, op=op, M=M, lora_rank=rank or 0, loras=L if rank else 0,
-                                         rule_at_run=tiles == default, **{k_.lower(): v for k_, v in tiles.items()},
+                                         rule_at_run={**tiles, "W_TMA": False} == {**default, "W_TMA": False},
+                                         **{k_.lower(): v for k_, v in tiles.items()},
                                          us_median=med, us_p20=p20, us_p80=p80,
                                          grouped_mm_us=round(grouped[op], 2),
                                          grouped_mm_pair_us=round(grouped["pair"], 2), error=error, **prov))

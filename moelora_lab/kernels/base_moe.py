@@ -27,6 +27,7 @@ from .common import block_rows, slice_pointers, slot_rank
 def moe_gemm_kernel(
     x_ptr,             # [M, K] (TOKEN_ROWS) or [P, K]; fp32/fp16/bf16
     w_ptr,             # [E, N, K] expert weights, x's dtype
+    w_desc,            # TMA descriptor of W viewed [E*N, K], box [BLOCK_N, BLOCK_K] (read if W_TMA)
     out_ptr,           # [P, N] one row per pair, x's dtype
     topk_weights_ptr,  # [P] fp32 (read if MUL_ROUTED_WEIGHT)
     sorted_pairs_ptr,  # [B*BM] int32 pairs grouped by expert, sentinel P
@@ -43,11 +44,14 @@ def moe_gemm_kernel(
     BLOCK_LR: tl.constexpr,           # >= L*r: the stacked (adapter, rank) columns of the LoRA shrink
     TOKEN_ROWS: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_LORA: tl.constexpr, HAS_RANKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    W_TMA: tl.constexpr,              # W tiles through the tensor memory accelerator (Hopper and later)
 ):
     """Program (block, N tile): out[rows, n-tile] = (w *) (X[rows] @ W[e, n-tile]^T + LoRA of each row).
 
     Programs are numbered GROUP_M blocks at a time, N tiles inside a group, so neighbours in time
-    share x rows (and, with HAS_LORA, the block's A rows) through L2.
+    share x rows (and, with HAS_LORA, the block's A rows) through L2. With W_TMA the W tile is one
+    bulk copy of BLOCK_N rows of the [E*N, K] view (rows past the tile's N are read but never stored;
+    rows and columns past the tensor arrive as zeros).
     """
     pid = tl.program_id(0)
     slice_tiles = tl.cdiv(n_slice, BLOCK_N)           # N tiles never straddle two slices
@@ -81,15 +85,19 @@ def moe_gemm_kernel(
         a_ptr, b_ptr = slice_pointers(slice_id, a0_ptr, a1_ptr, b0_ptr, b1_ptr)
         a_cols = a_ptr + expert.to(tl.int64) * stride_ae + col_l.to(tl.int64) * stride_al + col_r * stride_ar
         t = tl.zeros((BLOCK_M, BLOCK_LR), dtype=tl.float32)
+    w_row0 = expert * N + slice_id * n_slice + (pid_n % slice_tiles) * BLOCK_N      # the tile's first W row
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
         if EVEN_K:
             xk = tl.load(x_base + ks[None, :] * stride_xk, mask=valid[:, None], other=0.0)
+        else:
+            xk = tl.load(x_base + ks[None, :] * stride_xk, mask=valid[:, None] & (ks < K)[None, :], other=0.0)
+        if W_TMA:
+            wk = w_desc.load([w_row0, k0]).T                                              # [BK, BN]
+        elif EVEN_K:
             wk = tl.load(w_base + ks[:, None] * stride_wk, mask=n_ok[None, :], other=0.0)
         else:
-            k_ok = ks < K
-            xk = tl.load(x_base + ks[None, :] * stride_xk, mask=valid[:, None] & k_ok[None, :], other=0.0)
-            wk = tl.load(w_base + ks[:, None] * stride_wk, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+            wk = tl.load(w_base + ks[:, None] * stride_wk, mask=n_ok[None, :] & (ks < K)[:, None], other=0.0)
         acc = tl.dot(xk, wk, acc, input_precision=DOT_PRECISION)                  # [BM, BK] @ [BK, BN]
         if HAS_LORA:
             if EVEN_K:
