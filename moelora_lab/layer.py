@@ -12,7 +12,10 @@ Schedules: ``sequential`` runs everything on the current stream; ``dual_stream``
 on one process-wide side stream, forked and joined with CUDA events, so they can overlap the base
 GEMMs (both launch the same kernels on the same buffers, so their results are bitwise equal);
 ``fused`` computes the LoRA inside the base grouped GEMMs (``kernels/base_moe``: no LoRA launch, no
-delta buffer, no join; for L*r <= ``moe.MAX_FUSED_COLUMNS``); ``auto`` is dual-stream on a GPU
+delta buffer, no join; for L*r <= ``moe.MAX_FUSED_COLUMNS``); ``epilogue`` shrinks once per pair with
+the two-kernel path's shrink (T [S, P, r], the only LoRA bytes in HBM) and expands inside the base
+GEMMs' epilogue (one dot of K = L*r per output tile; same limit on L*r), so no N tile recomputes
+the shrink and no delta is written or read back; ``auto`` is dual-stream on a GPU
 while the experts get at most ``DUAL_STREAM_MAX_PAIRS_PER_EXPERT`` pairs each (the LoRA kernels are
 short and latency-bound next to long, bandwidth-bound base GEMMs), and sequential beyond (both are
 long and bandwidth-bound: a second stream only takes bandwidth away; H200 data in
@@ -47,13 +50,15 @@ from .blocks import LayerPlan, RoutingStamp
 from .dispatch import choice_rank, choose_config
 from .moe import (MAX_FUSED_COLUMNS, GemmLoRA, fused_columns, gemm_tiles, moe_gemm, silu_and_mul,
                   topk_sum)
+from .layer_in_gemm import buffers, epilogue_layer, fused_layer
 from .ops import run_lora
 from .paths import KERNEL_CHOICES, get_path, resolve_path
 from .streams import SIDE_PRIORITIES, Streams
 from .validate import (ANY_SLOT, check_choice, check_int, check_layer_inputs, check_lora_ranks, check_plan, check_routing,
                        check_values, routing_ranges)
 
-SCHEDULES = ("sequential", "dual_stream", "fused", "auto")
+SCHEDULES = ("sequential", "dual_stream", "fused", "epilogue", "auto")
+IN_GEMM = {"fused": "in_gemm", "epilogue": "epilogue"}      # schedules with the expand in the GEMMs: plan's lora_path
 # ``auto`` overlaps the LoRA stream up to this many pairs per expert (M <= 512 on qwen3-30b-a3b): on
 # the H200 two streams win clearly there, most at M = 1; past it both streams' kernels are long and
 # bandwidth-bound and the two schedules come within run-to-run noise (notebook 04 prints the data)
@@ -65,11 +70,12 @@ def fused_fits(num_loras: int, rank: int) -> bool:
 
 
 def _fused(schedule: str, fits: bool) -> bool:
-    if schedule == "fused" and not fits:
-        raise ValueError(f"schedule='fused': the in-GEMM LoRA needs L*r <= {MAX_FUSED_COLUMNS} (padded to a power "
-                         "of two, at least 16); use schedule='dual_stream' or 'sequential' for more or "
+    """Whether ``schedule`` expands the LoRA inside the GEMMs (a ValueError if the adapters are too wide)."""
+    if schedule in IN_GEMM and not fits:
+        raise ValueError(f"schedule={schedule!r}: the in-GEMM LoRA needs L*r <= {MAX_FUSED_COLUMNS} (padded "
+                         "to a power of two, at least 16); use schedule='dual_stream' or 'sequential' for more or "
                          "wider adapters")
-    return schedule == "fused"
+    return schedule in IN_GEMM
 
 
 def resolve_schedule(schedule: str, device: torch.device, *, num_pairs: int = 0, num_experts: int = 1,
@@ -77,7 +83,7 @@ def resolve_schedule(schedule: str, device: torch.device, *, num_pairs: int = 0,
     """The schedule a call really runs (``fits``: :func:`fused_fits` for the layer's LoRA)."""
     check_choice("schedule", schedule, SCHEDULES)
     if _fused(schedule, fits):
-        return "fused"
+        return schedule
     gpu = device.type == "cuda" and not INTERPRET
     if schedule == "auto":
         return gpu_schedule(num_pairs, num_experts) if gpu else "sequential"
@@ -129,18 +135,20 @@ def plan_layer(topk_ids, token_lora, num_experts: int, num_loras: int | None, ra
                                 values_checked=validate)
         plan = dict(num_loras=num_loras, rank=rank, routing=stamp)
         base_list = (None, tiles["BLOCK_M"])
-        if num_loras is None or rank == 0 or _fused(schedule, fused_fits(num_loras, rank)):
+        in_gemm = num_loras is not None and rank != 0 and _fused(schedule, fused_fits(num_loras, rank))
+        if num_loras is None or rank == 0 or (in_gemm and schedule == "fused"):
             # no LoRA, rank 0 (LoRA adds nothing) or the in-GEMM LoRA: the base blocks alone
             [base] = make_block_lists(topk_ids, None, E, [base_list], values_checked=validate)
             in_gemm = num_loras is not None and rank != 0
             return LayerPlan(base, None, "in_gemm" if in_gemm else None, **plan)
-        path = resolve_path(lora_path, num_pairs=P, num_experts=E, num_loras=num_loras, rank=rank,
-                            add_inputs=False, token_rows=True, choice_rank=choice_rank(rank, lora_ranks))
+        path = "two_kernel" if in_gemm else resolve_path(     # epilogue: the two-kernel path's shrink
+            lora_path, num_pairs=P, num_experts=E, num_loras=num_loras, rank=rank, add_inputs=False,
+            token_rows=True, choice_rank=choice_rank(rank, lora_ranks))
         cfg = choose_config(path, P, min(P, num_loras * E), intermediate or 1, 2, topk_ids.device, rank=rank)
         # both block lists from one construction (the same launches on a GPU)
         base, lora = make_block_lists(topk_ids, token_lora, E, [base_list, (num_loras, cfg.block_m)],
                                       values_checked=validate)
-        return LayerPlan(base, lora, path, **plan)
+        return LayerPlan(base, lora, IN_GEMM["epilogue"] if in_gemm else path, **plan)
 
 
 def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=None, w13_lora_b=None,
@@ -167,7 +175,7 @@ def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=No
         w2's LoRA, one slice: A 1 x [L, E, r, I], B 1 x [L, E, H, r]. Give all four LoRA arguments or
         none (none: the plain MoE layer); same L and r for w13 and w2, scaling folded into B.
     schedule : str
-        'sequential', 'dual_stream', 'fused' or 'auto' (see the module docstring).
+        'sequential', 'dual_stream', 'fused', 'epilogue' or 'auto' (see the module docstring).
     join : str
         'fold' or 'vllm' (the schedules with separate LoRA kernels only).
     lora_path : str
@@ -212,14 +220,15 @@ def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=No
     P = M * k
     run = (resolve_schedule(schedule, x.device, num_pairs=P, num_experts=E, fits=fused_fits(L, r)) if active
            else "sequential")
-    if run == "fused" and join != "fold":
-        raise ValueError(f"join: {join!r} has no meaning with schedule='fused' (the LoRA is added inside the GEMMs, "
+    if run in IN_GEMM and join != "fold":
+        raise ValueError(f"join: {join!r} has no meaning with schedule={run!r} (the LoRA is added inside the GEMMs, "
                          "there is no join); leave join at 'fold' or pick another schedule")
     if plan is not None and active:
-        if (plan.lora_path == "in_gemm") != (run == "fused"):
+        made_for = next((sched for sched, marker in IN_GEMM.items() if plan.lora_path == marker), None)
+        if made_for != (run if run in IN_GEMM else None):
             raise TypeError(f"plan: made for another schedule than this call's ({run!r}); pass plan_layer(..., "
                             f"schedule={schedule!r}) with the layer's num_loras and rank")
-        if lora_path != "auto" and run != "fused" and plan.lora_path != lora_path:
+        if lora_path != "auto" and run not in IN_GEMM and plan.lora_path != lora_path:
             raise ValueError(f"lora_path: {lora_path!r}, but the plan was made for {plan.lora_path!r}; make the plan "
                              f"with plan_layer(..., lora_path={lora_path!r})")
     with on_device(x):
@@ -231,10 +240,13 @@ def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=No
         weights = topk_weights.reshape(-1).float().contiguous()
         if run == "fused":
             token_lora = token_lora.to(torch.int32).contiguous()
-            return _fused_layer(x, topk_ids, weights, token_lora, w13, w2, plan.base_blocks,
+            return fused_layer(x, topk_ids, weights, token_lora, w13, w2, plan.base_blocks,
                                 tiles=gemm_tiles(P, E, lora=True),
                                 lora13=GemmLoRA(token_lora, w13_lora_a, w13_lora_b, lora_ranks),
                                 lora2=GemmLoRA(token_lora, w2_lora_a, w2_lora_b, lora_ranks), tracer=tracer)
+        if run == "epilogue":
+            return epilogue_layer(x, topk_ids, weights, token_lora.to(torch.int32).contiguous(), w13, w2,
+                                   (w13_lora_a, w13_lora_b, w2_lora_a, w2_lora_b), plan, lora_ranks, tracer)
         lora = (w13_lora_a, w13_lora_b, w2_lora_a, w2_lora_b) if active else None
         return _two_kernel_layer(x, topk_ids, topk_weights, weights, token_lora, w13, w2, lora, plan,
                                  dual=run == "dual_stream", join=join, lora_ranks=lora_ranks, tracer=tracer,
@@ -250,7 +262,7 @@ def _two_kernel_layer(x, topk_ids, topk_weights, weights, token_lora, w13, w2, l
     tiles = gemm_tiles(P, E)
     base_blocks, lora_blocks, path = plan.base_blocks, plan.lora_blocks, plan.lora_path
     streams = Streams(dual, x.device, tracer, side_priority)
-    c1, h, c3, y = _buffers(x, M, k, H, I)
+    c1, h, c3, y = buffers(x, M, k, H, I)
     with_lora = lora is not None
     d13 = d2 = None
     if with_lora:
@@ -287,26 +299,4 @@ def _two_kernel_layer(x, topk_ids, topk_weights, weights, token_lora, w13, w2, l
             c3.add_(delta2)
             delta2 = None
         topk_sum(c3, y, top_k=k, delta=delta2, token_lora=token_lora)
-    return y
-
-
-def _buffers(x, M: int, k: int, H: int, I: int):
-    """The layer's activations, uninitialised, on the current stream: c1 [P, 2I], h [P, I], c3 [P, H], y [M, H]."""
-    P = M * k
-    return tuple(torch.empty(*shape, dtype=x.dtype, device=x.device) for shape in ((P, 2 * I), (P, I), (P, H), (M, H)))
-
-
-def _fused_layer(x, topk_ids, weights, token_lora, w13, w2, blocks, *, tiles, lora13, lora2, tracer):
-    """The ``fused`` schedule: four launches, the LoRA computed inside the two grouped GEMMs."""
-    M, k = topk_ids.shape
-    streams = Streams(False, x.device, tracer)
-    c1, h, c3, y = _buffers(x, M, k, w2.shape[1], w2.shape[2])
-    with streams.stage("w13+lora", "main"):
-        moe_gemm(x, w13, blocks, c1, top_k=k, tiles=tiles, lora=lora13)
-    with streams.stage("act", "main"):
-        silu_and_mul(c1, h, top_k=k)
-    with streams.stage("w2+lora", "main"):
-        moe_gemm(h, w2, blocks, c3, top_k=k, topk_weights=weights, tiles=tiles, lora=lora2)
-    with streams.stage("sum", "main"):
-        topk_sum(c3, y, top_k=k)
     return y

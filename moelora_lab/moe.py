@@ -21,12 +21,14 @@ MAX_FUSED_COLUMNS = 128
 
 class GemmLoRA(NamedTuple):
     """The LoRA to compute inside a grouped GEMM (see ``kernels/base_moe``): per-token adapter ids
-    [M] int32 (-1 = none), A [L, E, r, K] and B [L, E, N/S, r] per slice, optional ranks [L] int32."""
+    [M] int32 (-1 = none), A [L, E, r, K] and B [L, E, N/S, r] per slice, optional ranks [L] int32;
+    ``shrunk``: T = A x [S, P, r] made beforehand (``paths.launch_shrink``), so the GEMM only expands."""
 
     token_lora: torch.Tensor
     lora_a: list
     lora_b: list
     lora_ranks: torch.Tensor | None = None
+    shrunk: torch.Tensor | None = None
 
 
 # From one H200 sweep (bf16, qwen3-30b-a3b, w13 and w2, M = 1 .. 8192; data/h200/gemm_tune.csv):
@@ -91,15 +93,17 @@ def moe_gemm(x: torch.Tensor, w: torch.Tensor, blocks: BlockList, out: torch.Ten
         a_strides, b_strides = a[0].stride(), b[0].stride()
     grid = (blocks.num_blocks * (N // n_slice) * triton.cdiv(n_slice, tiles["BLOCK_N"]),)
     has_ranks = lora is not None and lora.lora_ranks is not None
+    t = lora.shrunk if lora is not None and lora.shrunk is not None else None
     with on_device(x):
         moe_gemm_kernel[grid](
             x, w, w_desc, out, topk_weights if mul else out, blocks.sorted_pairs, blocks.block_expert,
             lora.token_lora if lora is not None else blocks.block_expert, *a, *b,
-            lora.lora_ranks if has_ranks else blocks.block_expert,
+            lora.lora_ranks if has_ranks else blocks.block_expert, t if t is not None else w,
             P, top_k, K, N, blocks.num_blocks, L, R, n_slice,
             x.stride(0), x.stride(1), *w.stride(), out.stride(0), out.stride(1), *a_strides, *b_strides,
+            *(t.stride() if t is not None else (0, 0, 0)),
             BLOCK_LR=block_lr, TOKEN_ROWS=x.shape[0] != P or top_k == 1, MUL_ROUTED_WEIGHT=mul,
-            HAS_LORA=lora is not None, HAS_RANKS=has_ranks, W_TMA=w_tma,
+            HAS_LORA=lora is not None, HAS_RANKS=has_ranks, W_TMA=w_tma, T_IN=t is not None,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages, **tiles)
     return out
 

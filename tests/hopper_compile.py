@@ -62,9 +62,9 @@ def main():
                 topk_weights_ptr="*fp32", sorted_pairs_ptr=i32, block_lora_ptr=i32, block_expert_ptr=i32,
                 lora_ranks_ptr=i32, topk_ids_ptr=i32, token_lora_ptr=i32)
     common = dict(TOKEN_ROWS=True, MUL_ROUTED_WEIGHT=True, ADD_INPUTS=False, DOT_PRECISION="tf32")
-    gemm = dict(lora, **ptrs("w_ptr", "w_desc"))
+    gemm = dict(lora, **ptrs("w_ptr", "w_desc"))        # t_ptr from lora
     gemm_c = dict(BLOCK_N=128, BLOCK_K=64, TOKEN_ROWS=True, MUL_ROUTED_WEIGHT=True, EVEN_K=True, DOT_PRECISION="tf32",
-                  W_TMA=False)
+                  W_TMA=False, T_IN=False)
     cases = []
     for tiles, ranks in ((1, False), (2, True), (4, True)):
         cases.append((f"one_shot rank_tiles={tiles} ranks={ranks}", one_shot.one_shot_kernel, lora,
@@ -82,6 +82,8 @@ def main():
          dict(gemm_c, BLOCK_M=64, GROUP_M=8, BLOCK_LR=16, HAS_LORA=False, HAS_RANKS=False)),
         ("moe_gemm in-GEMM LoRA", base_moe.moe_gemm_kernel, gemm,
          dict(gemm_c, BLOCK_M=16, GROUP_M=1, BLOCK_LR=64, HAS_LORA=True, HAS_RANKS=True)),
+        ("moe_gemm LoRA expand in the epilogue", base_moe.moe_gemm_kernel, gemm,
+         dict(gemm_c, BLOCK_M=64, GROUP_M=8, BLOCK_LR=64, HAS_LORA=True, HAS_RANKS=True, T_IN=True)),
         ("silu_and_mul", base_moe.silu_and_mul_kernel, dict(ptrs("c1_ptr", "delta_ptr", "h_ptr"), token_lora_ptr=i32),
          dict(BLOCK=1024, HAS_DELTA=True)),
         ("topk_sum", base_moe.topk_sum_kernel, dict(ptrs("c3_ptr", "delta_ptr", "y_ptr"), token_lora_ptr=i32),

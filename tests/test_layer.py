@@ -35,7 +35,7 @@ def test_layer_matches_reference(device, join):
         close(y, ref, dtype)
 
 
-@pytest.mark.parametrize("schedule", ["sequential", "dual_stream", "fused"])
+@pytest.mark.parametrize("schedule", ["sequential", "dual_stream", "fused", "epilogue"])
 def test_layer_with_packed_lora_b(device, schedule):
     """LoRA B stored N-fastest (pack_lora_b): same values, other strides; every schedule reads it."""
     for dtype in dtypes(device):
@@ -56,6 +56,31 @@ def test_fused_layer_matches_reference(device, rank, M, kw):
         p = problem(device, dtype, M=M, rank=rank, seed=rank + M, **kw)
         ref = ml.moe_layer_reference(**p.layer_inputs())
         close(moe_lora_layer(**p.layer_inputs(), schedule="fused"), ref, dtype)
+
+
+@pytest.mark.parametrize("rank, M, kw", [(8, 9, dict(no_adapter_fraction=0.3)), (5, 20, {}), (16, 1, {})])
+def test_epilogue_layer_matches_reference(device, rank, M, kw):
+    """Each op shrinks once per pair (the two-kernel path's shrink) and expands in its GEMM's epilogue."""
+    for dtype in dtypes(device):
+        p = problem(device, dtype, M=M, rank=rank, seed=rank + M + 1, **kw)
+        ref = ml.moe_layer_reference(**p.layer_inputs())
+        close(moe_lora_layer(**p.layer_inputs(), schedule="epilogue"), ref, dtype)
+
+
+def test_epilogue_layer_with_actual_adapter_ranks_and_its_plan(device):
+    p = problem(device, rank=16, seed=13, adapter_ranks=(3, 16, 5), no_adapter_fraction=0.3)
+    ranks = torch.tensor(p.adapter_ranks, device=device)
+    plan = plan_layer(p.topk_ids, p.token_lora, SHAPE.num_experts, 3, 16, schedule="epilogue")
+    assert plan.lora_path == "epilogue" and plan.lora_blocks is not None
+    out = moe_lora_layer(**p.layer_inputs(), lora_ranks=ranks, schedule="epilogue", plan=plan)
+    close(out, ml.moe_layer_reference(**p.layer_inputs()), torch.float32)
+    with pytest.raises(TypeError, match="plan: made for another schedule"):
+        moe_lora_layer(**p.layer_inputs(), plan=plan, schedule="fused")
+    with pytest.raises(ValueError, match="join: 'vllm' has no meaning with schedule='epilogue'"):
+        moe_lora_layer(**p.layer_inputs(), schedule="epilogue", join="vllm")
+    wide = problem(device, rank=48, seed=11)
+    with pytest.raises(ValueError, match="schedule='epilogue': the in-GEMM LoRA needs L\\*r <= 128"):
+        moe_lora_layer(**wide.layer_inputs(), schedule="epilogue")
 
 
 def test_auto_schedule_and_fused_limits(device):
@@ -181,9 +206,9 @@ def test_dual_stream_is_race_free_over_repetitions():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("schedule", ["sequential", "dual_stream", "fused"])
+@pytest.mark.parametrize("schedule", ["sequential", "dual_stream", "fused", "epilogue"])
 def test_cuda_graph_replay_equals_eager(schedule):
-    rank = 16 if schedule == "fused" else 64          # 4 x 64 stacked columns would not fit in the GEMM
+    rank = 16 if schedule in ("fused", "epilogue") else 64          # 4 x 64 stacked columns would not fit in the GEMM
     p = ml.make_problem("qwen3-30b-a3b", ml.LoRAShape(4, rank), 32, dtype=torch.bfloat16, device="cuda", seed=9)
     eager = moe_lora_layer(**p.layer_inputs(), schedule=schedule)
     side = torch.cuda.Stream()

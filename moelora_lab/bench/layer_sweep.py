@@ -37,11 +37,12 @@ from ..profile.traffic import count_workload, layer_traffic
 from .common import base_weights, device, grouped_mm_fns, progress, seeded_generator, sweep_parser, sweep_routing
 
 NAME = "layer"
-VARIANTS = ("no_lora", "sequential", "dual_stream", "fused", "auto", "sequential_vllm_join",
+VARIANTS = ("no_lora", "sequential", "dual_stream", "fused", "epilogue", "auto", "sequential_vllm_join",
             "dual_stream_vllm_join", "base_gemms", "grouped_mm", "plan", "no_lora_plan", "auto_plan")
 NO_LORA = ("no_lora", "base_gemms", "grouped_mm", "plan", "no_lora_plan")
 # the schedule each LoRA-layer variant asks for (``schedule`` records what it really ran)
-SCHEDULE_OF = {"sequential": "sequential", "dual_stream": "dual_stream", "fused": "fused", "auto": "auto",
+SCHEDULE_OF = {"sequential": "sequential", "dual_stream": "dual_stream", "fused": "fused", "epilogue": "epilogue",
+               "auto": "auto",
                "sequential_vllm_join": "sequential", "dual_stream_vllm_join": "dual_stream", "auto_plan": "auto"}
 
 
@@ -80,6 +81,7 @@ def run_layer(args) -> tuple[list[dict], dict]:
         x = torch.randn(M, H, device=device(), generator=gen, dtype=dtype)
         plan_l = plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I, schedule="sequential")
         plan_f = plan_layer(ids, tl, E, L, rank, schedule="fused") if fused_fits(L, rank) else None
+        plan_e = plan_layer(ids, tl, E, L, rank, schedule="epilogue") if fused_fits(L, rank) else None
         plan_a = plan_layer(ids, tl, E, L, rank)
         plan_b = plan_layer(ids, tl, E, None, None)
         base = (x, ids, tw, tl, w13, w2)
@@ -93,6 +95,7 @@ def run_layer(args) -> tuple[list[dict], dict]:
             "sequential": lambda: moe_lora_layer(*base, **lora, schedule="sequential", plan=plan_l),
             "dual_stream": lambda: moe_lora_layer(*base, **lora, schedule="dual_stream", plan=plan_l),
             "fused": lambda: moe_lora_layer(*base, **lora, schedule="fused", plan=plan_f),
+            "epilogue": lambda: moe_lora_layer(*base, **lora, schedule="epilogue", plan=plan_e),
             "auto": lambda: moe_lora_layer(*base, **lora, plan=plan_a),
             "sequential_vllm_join": lambda: moe_lora_layer(*base, **lora, schedule="sequential", join="vllm",
                                                            plan=plan_l),
@@ -112,7 +115,7 @@ def run_layer(args) -> tuple[list[dict], dict]:
                   False: layer_traffic(shape, rank, work, with_lora=False)["floor"]}
         for name in args.variants:
             error = ""
-            if name == "fused" and plan_f is None:
+            if name in ("fused", "epilogue") and plan_f is None:
                 continue                       # L*r too wide for the in-GEMM LoRA: not a schedule here
             try:
                 t = timing.time_cuda(fns[name])
@@ -122,7 +125,7 @@ def run_layer(args) -> tuple[list[dict], dict]:
                 error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
             floor = floors[name not in NO_LORA]
             asks = SCHEDULE_OF.get(name)
-            path = "in_gemm" if asks == "fused" else plan_a.lora_path if asks == "auto" else plan_l.lora_path
+            path = {"fused": "in_gemm", "epilogue": "epilogue", "auto": plan_a.lora_path}.get(asks, plan_l.lora_path)
             ran = ""
             if asks:                           # the schedule that really ran (auto resolved, CPU: sequential)
                 with warnings.catch_warnings():

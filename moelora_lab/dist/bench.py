@@ -274,7 +274,8 @@ def main(argv=None) -> int:
     for name in ("checks", "collectives", "steps"):
         rows = [row for res in results for row in res[name]]
         keys = list(dict.fromkeys(key for row in rows for key in row))      # ep and tp rows differ
-        write_csv([dict({key: row.get(key, "") for key in keys}, **prov) for row in rows], args.out / f"dist_{name}.csv")
+        write_csv([dict({key: row.get(key, "") for key in keys}, **prov) for row in rows],
+                  args.out / f"dist_{name}.csv")
     doc = dict(displayTimeUnit="ns", traceEvents=[e for res in results for e in res["trace"]],
                otherData=dict(producer="moelora_lab.dist.bench", **prov))
     (args.out / "dist_trace.json").write_text(json.dumps(doc))

@@ -133,7 +133,7 @@ def _lora_w13(x, topk_ids, topk_weights, token_lora, local, plan, d13, ranks, fu
     with traced(tracer, "all_gather_T13", "comm"):
         parts = x.new_empty(world * 2, P, r_w)          # ranks stacked along dim 0
         _all_gather(parts, mine, group=group)
-        t = parts.view(world, 2, P, r_w).permute(1, 2, 0, 3).reshape(2, P, r)         # rank w's rows are r_w * w .. r_w * (w+1)
+        t = parts.view(world, 2, P, r_w).permute(1, 2, 0, 3).reshape(2, P, r)    # rank w: rows r_w w .. r_w (w+1)
     with traced(tracer, "expand_w13"):
         launch_expand(t, b13, d13, d13, plan.lora_blocks, cfg, mul_routed_weight=False, add_inputs=False,
                       lora_ranks=ranks)

@@ -10,7 +10,9 @@ loaded), and the expand is one more dot into the accumulator. No extra launch, n
 join. The shrink is recomputed by every N tile and covers all adapters present in the block, so it
 pays where the GEMM waits on memory (small M), not where it is compute-bound. (A variant that
 branched at run time to a narrow shrink for blocks with a single adapter measured slower on the
-H200: the three loops cost more than the columns they saved.)
+H200: the three loops cost more than the columns they saved.) With T_IN the shrink T = A x was
+computed beforehand, once per pair, by the two-kernel path's shrink, and only the expand runs here,
+in the epilogue: one dot of K = L*r per output tile.
 
 The activation and the top-k sum are where the dual-stream layer joins the LoRA stream: they read
 the LoRA delta only for pairs whose token has an adapter (HAS_DELTA), so the delta buffers need no
@@ -36,15 +38,18 @@ def moe_gemm_kernel(
     a0_ptr, a1_ptr,    # LoRA A of slices 0 and 1: [L, E, r, K], x's dtype (read if HAS_LORA)
     b0_ptr, b1_ptr,    # LoRA B of slices 0 and 1: [L, E, N/S, r], x's dtype (read if HAS_LORA)
     lora_ranks_ptr,    # [L] int32 actual rank of each slot (read if HAS_RANKS)
+    t_ptr,             # [S, P, r] the shrink computed beforehand, x's dtype (read if T_IN)
     num_pairs, top_k, K, N, num_blocks, num_loras, R,
     n_slice,           # columns per slice: N (no LoRA, or S = 1) or N / 2 (w13 with LoRA)
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_om, stride_on,
     stride_al, stride_ae, stride_ar, stride_ak, stride_bl, stride_be, stride_bn, stride_br,
+    stride_ts, stride_tp, stride_tr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_LR: tl.constexpr,           # >= L*r: the stacked (adapter, rank) columns of the LoRA shrink
     TOKEN_ROWS: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_LORA: tl.constexpr, HAS_RANKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     W_TMA: tl.constexpr,              # W tiles through the tensor memory accelerator (Hopper and later)
+    T_IN: tl.constexpr,               # with HAS_LORA: read the shrink from t_ptr, expand in the epilogue only
 ):
     """Program (block, N tile): out[rows, n-tile] = (w *) (X[rows] @ W[e, n-tile]^T + LoRA of each row).
 
@@ -83,8 +88,9 @@ def moe_gemm_kernel(
         col_ok = col_ok & (col_r < slot_rank(lora_ranks_ptr, tl.where(col_ok, col_l, 0), R, HAS_RANKS))
         col_l, col_r = tl.where(col_ok, col_l, 0), tl.where(col_ok, col_r, 0)
         a_ptr, b_ptr = slice_pointers(slice_id, a0_ptr, a1_ptr, b0_ptr, b1_ptr)
-        a_cols = a_ptr + expert.to(tl.int64) * stride_ae + col_l.to(tl.int64) * stride_al + col_r * stride_ar
-        t = tl.zeros((BLOCK_M, BLOCK_LR), dtype=tl.float32)
+        if not T_IN:
+            a_cols = a_ptr + expert.to(tl.int64) * stride_ae + col_l.to(tl.int64) * stride_al + col_r * stride_ar
+            t = tl.zeros((BLOCK_M, BLOCK_LR), dtype=tl.float32)
     w_row0 = expert * N + slice_id * n_slice + (pid_n % slice_tiles) * BLOCK_N      # the tile's first W row
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
@@ -99,7 +105,7 @@ def moe_gemm_kernel(
         else:
             wk = tl.load(w_base + ks[:, None] * stride_wk, mask=n_ok[None, :] & (ks < K)[:, None], other=0.0)
         acc = tl.dot(xk, wk, acc, input_precision=DOT_PRECISION)                  # [BM, BK] @ [BK, BN]
-        if HAS_LORA:
+        if HAS_LORA and not T_IN:
             if EVEN_K:
                 ak = tl.load(a_cols[None, :] + ks[:, None] * stride_ak, mask=col_ok[None, :], other=0.0)
             else:
@@ -108,6 +114,9 @@ def moe_gemm_kernel(
             t = tl.dot(xk, ak, t, input_precision=DOT_PRECISION)                  # [BM, BK] @ [BK, LR]
     if HAS_LORA:
         # expand: acc += T (own adapter's columns only) @ B[adapter, e, n-tile, rank]^T, all in registers
+        if T_IN:    # each row's r values, spread into its adapter's stacked columns
+            t = tl.load(t_ptr + slice_id * stride_ts + pairs.to(tl.int64)[:, None] * stride_tp
+                        + col_r[None, :] * stride_tr, mask=hit & col_ok[None, :], other=0.0)
         t = tl.where(hit & col_ok[None, :], t, 0.0).to(x_ptr.dtype.element_ty)
         bt = tl.load(b_ptr + expert.to(tl.int64) * stride_be + col_l.to(tl.int64)[:, None] * stride_bl
                      + col_r[:, None] * stride_br + n_local[None, :] * stride_bn,

@@ -11,6 +11,7 @@ VARIANT_STYLE = {
     "sequential": dict(color="#1f77b4", marker="s", label="LoRA, one stream"),
     "dual_stream": dict(color="#2ca02c", marker="^", label="LoRA, two streams (folded join)"),
     "fused": dict(color="#ff7f0e", marker="D", label="LoRA inside the base GEMMs"),
+    "epilogue": dict(color="#8c564b", marker="v", label="shrink once, expand in the GEMM epilogue"),
     "sequential_vllm_join": dict(color="#9467bd", marker="s", linestyle="--", label="one stream, vLLM join"),
     "dual_stream_vllm_join": dict(color="#d62728", marker="^", linestyle="--", label="two streams, vLLM join"),
 }
