@@ -44,13 +44,23 @@ def test_device_blocks_many_chunks_and_edge_cases(device, monkeypatch):
     assert torch.all(got.block_lora == -1) and torch.all(got.sorted_pairs == 10)
 
 
-@pytest.fixture(params=["one_launch", "three_launches"])
+@pytest.fixture(params=["one_launch", "three_launches", "three_launches_wide"])
 def launches(request, monkeypatch):
-    """Both constructions: one program per list sorting in registers, or count + scan + place."""
-    if request.param == "three_launches":
+    """Both constructions: one program per list sorting in registers, or count + scan + place (with
+    the chunk size of few pairs, or the widest chunks, used for many pairs)."""
+    if request.param.startswith("three_launches"):
         monkeypatch.setattr(align, "SORT_MAX_PAIRS", 0)
         monkeypatch.setattr(align, "SCAN_TILE", 128)               # the scan then takes several steps
+    if request.param == "three_launches_wide":
+        monkeypatch.setattr(align, "chunk_pairs", lambda n: align.SUB)
     return request.param
+
+
+def test_launch_rules():
+    # chunks grow with the pairs and never past SUB; the sort gets more warps for more pairs
+    sizes = [align.chunk_pairs(n) for n in (1, 4096, 4097, 8192, 8193, 1 << 20)]
+    assert sizes == sorted(sizes) and sizes[0] < sizes[-1] == align.SUB
+    assert align.sort_warps(8) <= align.sort_warps(align.SORT_MAX_PAIRS)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -68,7 +78,7 @@ def test_two_lists_in_the_same_launches_equal_the_spec(device, seed, launches):
 def test_int64_routing_and_a_hot_group(device, launches):
     # int64 ids (as torch.topk gives), one hot (adapter, expert) spanning chunks, tokens without
     # adapters; the sort in registers is slow under the interpreter, so it gets fewer tokens
-    M = 1200 if launches == "three_launches" else 200
+    M = 200 if launches == "one_launch" else 1200
     g = torch.Generator().manual_seed(12)
     ids = torch.randint(0, 8, (M, 2), generator=g)
     ids[:, 1] = (ids[:, 0] + 1) % 8

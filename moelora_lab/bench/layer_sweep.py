@@ -12,7 +12,7 @@ Routing metadata is built once per case outside the timed region (``plan_layer``
 as ``plan``; ``no_lora_plan`` and ``auto_plan`` time the layer with its plan built inside the call,
 as a model pays it in every MoE layer. Next to the byte floor, ``roofline_us`` is max(byte floor,
 FLOPs / the bf16 matmul rate measured in the same run): past the ridge the layer is compute-bound and the byte floor alone is
-out of reach. Timelines of the sequential and dual-stream layer are captured for ``--trace-tokens``
+out of reach. Timelines of the sequential, dual-stream (and in-GEMM) layer are captured for ``--trace-tokens``
 x ``--trace-ranks`` and saved to one JSON file. LoRA B is stored N-fastest (``pack_lora_b``), the
 layout the library recommends. ``--side-priority default`` runs the side stream at default priority
 instead of the highest (the comparison behind ``layer.aux_stream``).
@@ -140,8 +140,8 @@ def run_layer(args) -> tuple[list[dict], dict]:
                              copy_tbps=round(copy_bps / 1e12, 4), matmul_tflops=round(flops_per_s / 1e12, 1),
                              error=error, **prov))
         if M in args.trace_tokens and rank in args.trace_ranks:
-            for sched in ("sequential", "dual_stream") + (("fused",) if plan_f is not None else ()):
-                pl = plan_f if sched == "fused" else plan_l
+            for sched in ("sequential", "dual_stream") + (("fused", "epilogue") if plan_f is not None else ()):
+                pl = {"fused": plan_f, "epilogue": plan_e}.get(sched, plan_l)
                 run = (lambda tr, s=sched, pl=pl: moe_lora_layer(*base, **lora, schedule=s, plan=pl, tracer=tr))
                 try:
                     recs = capture_timeline(run)
