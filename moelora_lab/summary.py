@@ -91,12 +91,15 @@ def _layer_section(layer) -> list[str]:
         out.append(line("LoRA r=16, layer + plan / no LoRA + plan", ratio(16, "auto_plan", "no_lora_plan")))
     shape = MoEShape.from_name(PRESET)
     dual = [m for m in ms if gpu_schedule(m * shape.top_k, shape.num_experts) == "dual_stream"]
-    fused = [t[16, m, "fused"]["us_median"] / t[16, m, "no_lora"]["us_median"] for m in ms if (16, m, "fused") in t]
+    fused, epilogue = ([t[16, m, v]["us_median"] / t[16, m, "no_lora"]["us_median"] for m in ms if (16, m, v) in t]
+                       for v in ("fused", "epilogue"))
     auto = [t[16, m, "auto"]["us_median"] / t[16, m, "no_lora"]["us_median"] for m in ms]
     save = [1 - t[16, m, "sequential"]["us_median"] / t[16, m, "sequential_vllm_join"]["us_median"] for m in ms]
     out += ["", f"`auto` runs two streams up to M = {max(dual)} here (the current rule) and one stream beyond.",
             f"`schedule=\"fused\"` (the LoRA inside the base GEMMs) costs {_span(fused, '{:.2f}', '×')} the no-LoRA "
-            f"layer at r = 16, against {_span(auto, '{:.2f}', '×')} for `auto`.",
+            f"layer at r = 16, against {_span(auto, '{:.2f}', '×')} for `auto`"
+            + (f"; `schedule=\"epilogue\"` (the shrink once per pair, the expand in the GEMMs' epilogue) "
+               f"{_span(epilogue, '{:.2f}', '×')}." if epilogue else "."),
             f"On one stream our folded join takes {_span(save, '{:.0%}')} off the layer with vLLM's "
             "zero-fill-and-add join (r = 16, every M)."]
     return out
