@@ -18,7 +18,9 @@ Few pairs (n <= a few thousand): one launch, one program per list.
                 of blocks over the group starts; then it writes the sentinel n everywhere, the pairs,
                 and each group's blocks in the table.
 Many pairs: three launches, chunks of SUB pairs in parallel.
-  count_kernel  (NC programs per list)    counts[c, g] = pairs of group g in chunk c ([SUB, SUB] compare)
+  count_kernel  (NC programs per list)    counts[c, g] = pairs of group g in chunk c ([SUB, SUB] compare;
+                    with RANKS each pair's place in its chunk is kept for place_kernel, and a group's
+                    count is the atomic max of its pairs' places + 1)
   scan_kernel   (GP/GB programs per list) counts[c, g] -> pairs of group g before chunk c, totals[g]
   place_kernel  (NC + NT programs per list) chunk programs scatter their pairs to
                     sorted_pairs[first_block[g]*BS + before[g] + rank in chunk] = p,
@@ -57,21 +59,28 @@ def count_kernel(
     topk_ids_ptr,      # [n] int32/int64 expert of each pair
     token_lora_ptr,    # [M] int32/int64 adapter of each token, -1 = none
     counts_ptr,        # [NL, NC, GP] int32 out
+    ranks_ptr,         # [NL, n] int32 out (RANKS): each pair's place among its group's pairs in its chunk
     n, top_k, E, num_chunks,
     G0, BS0, B0, P0, BA0, BY0, G1, BS1, B1, P1, BA1, BY1,
-    SUB: tl.constexpr, GP: tl.constexpr,
+    SUB: tl.constexpr, GP: tl.constexpr, RANKS: tl.constexpr,
 ):
     """Program (chunk, list): how many pairs of each group chunk c holds (zero for the others)."""
     chunk, lst = tl.program_id(0), tl.program_id(1)
     G, _, _, _, _, by_adapter = _list(lst, G0, BS0, B0, P0, BA0, BY0, G1, BS1, B1, P1, BA1, BY1)
     ii = tl.arange(0, SUB)
-    g = _group_of(topk_ids_ptr, token_lora_ptr, chunk * SUB + ii, n, top_k, E, G, by_adapter)
-    count = tl.sum((g[:, None] == g[None, :]).to(tl.int32), 1)                     # [SUB, SUB] compare
-    lead = _earlier(g, ii) == 0                                                    # first of its group here
+    pairs = chunk * SUB + ii
+    g = _group_of(topk_ids_ptr, token_lora_ptr, pairs, n, top_k, E, G, by_adapter)
+    earlier = _earlier(g, ii)                                                      # [SUB, SUB] compare
     row = counts_ptr + (lst * num_chunks + chunk).to(tl.int64) * GP
     tl.store(row + tl.arange(0, GP), tl.zeros((GP,), dtype=tl.int32))
     tl.debug_barrier()
-    tl.store(row + g, count, mask=lead & (g < G))
+    if RANKS:
+        # a group's count is its last pair's place + 1: the largest, so an atomic max leaves it
+        tl.store(ranks_ptr + lst.to(tl.int64) * n + pairs, earlier, mask=pairs < n)
+        tl.atomic_max(row + g, earlier + 1, mask=g < G)
+    else:
+        count = tl.sum((g[:, None] == g[None, :]).to(tl.int32), 1)                 # [SUB, SUB] compare
+        tl.store(row + g, count, mask=(earlier == 0) & (g < G))
 
 
 @triton.jit
@@ -101,12 +110,13 @@ def place_kernel(
     topk_ids_ptr, token_lora_ptr,
     counts_ptr,        # [NL, NC, GP] int32 from scan_kernel
     totals_ptr,        # [NL, GP] int32 from scan_kernel
+    ranks_ptr,         # [NL, n] int32 from count_kernel (RANKS)
     sorted_pairs_ptr,  # [sum of B*BS] int32 out: every list's pairs, end to end
     block_lora_ptr,    # [sum of B] int32 out: adapter of each block (0 for lists by expert), -1 = unused
     block_expert_ptr,  # [sum of B] int32 out: expert of each block, -1 = unused
     n, top_k, E, num_chunks,
     G0, BS0, B0, P0, BA0, BY0, G1, BS1, B1, P1, BA1, BY1,
-    SUB: tl.constexpr, GP: tl.constexpr, BB: tl.constexpr, BSP: tl.constexpr,
+    SUB: tl.constexpr, GP: tl.constexpr, BB: tl.constexpr, BSP: tl.constexpr, RANKS: tl.constexpr,
 ):
     pid, lst = tl.program_id(0), tl.program_id(1)
     G, BS, num_blocks, pairs_at, blocks_at, by_adapter = _list(lst, G0, BS0, B0, P0, BA0, BY0,
@@ -123,7 +133,11 @@ def place_kernel(
         g = _group_of(topk_ids_ptr, token_lora_ptr, pairs, n, top_k, E, G, by_adapter)
         before = tl.load(counts_ptr + (lst * num_chunks + pid).to(tl.int64) * GP + groups)
         safe = tl.where(g < G, g, 0)
-        pos = tl.gather(first, safe, 0) * BS + tl.gather(before, safe, 0) + _earlier(g, ii)
+        if RANKS:
+            earlier = tl.load(ranks_ptr + lst.to(tl.int64) * n + pairs, mask=pairs < n, other=0)
+        else:
+            earlier = _earlier(g, ii)
+        pos = tl.gather(first, safe, 0) * BS + tl.gather(before, safe, 0) + earlier
         tl.store(sorted_pairs_ptr + pairs_at + pos, pairs, mask=g < G)
     else:
         # table: the group of each block (the last group starting at or before it), and the sentinel
