@@ -63,7 +63,7 @@ def test_committed_h200_traces():
     cases = {(r["preset"], r["M"], r["rank"], r["loras"]) for r in rows if r["variant"] == "sequential"
              and r["M"] in args.trace_tokens and r["rank"] in args.trace_ranks}
     expected = {trace_name(preset, M, rank, s) for preset, M, rank, L in cases
-                for s in ("sequential", "dual_stream") + (("fused",) if fused_fits(L, rank) else ())}
+                for s in ("sequential", "dual_stream") + (("fused", "epilogue") if fused_fits(L, rank) else ())}
     assert len(cases) >= 4 and set(traces) == expected
     assert {t["meta"]["rank"] for t in traces.values() if t["meta"]["schedule"] == "fused"} == {
         rank for _, _, rank, L in cases if fused_fits(L, rank)}
@@ -76,6 +76,11 @@ def test_committed_h200_traces():
         if meta["schedule"] == "fused":             # the LoRA rides in the GEMMs: one lane, four stages
             assert {r["stream"] for r in t["records"]} == {"main"}
             assert [r["name"] for r in t["records"]] == ["w13+lora", "act", "w2+lora", "sum"]
+            assert m["side_busy_us"] == 0 and m["critical_path_us"] >= 0.99 * m["serial_sum_us"]
+            continue
+        if meta["schedule"] == "epilogue":          # one lane: each op's shrink, then the GEMM that expands it
+            assert {r["stream"] for r in t["records"]} == {"main"}
+            assert [r["name"] for r in t["records"]] == ["shrink_w13", "w13+lora", "act", "shrink_w2", "w2+lora", "sum"]
             assert m["side_busy_us"] == 0 and m["critical_path_us"] >= 0.99 * m["serial_sum_us"]
             continue
         assert {r["stream"] for r in t["records"]} == {"main", "lora"}

@@ -77,6 +77,13 @@ def test_args_carry_bytes_and_tiles():
     base = layer_traffic(shape, 16, sweep_workload(shape, 128), with_lora=False)
     assert fused["w13+lora"]["args"]["bytes"] == base["base_w13"].bytes + lora.part("lora_a") + lora.part("lora_b")
     assert fused["act"]["args"]["bytes"] == base["act"].bytes and fused["w13+lora"]["args"]["tiles"]["BLOCK_LR"] == 64
+    epi = {e["name"]: e for e in to_trace_events(TRACES["qwen3-30b-a3b_M128_r16_epilogue"])["traceEvents"]
+           if e["ph"] == "X"}                               # the shrink's bytes apart, the expand's in the GEMM
+    two = layer_traffic(shape, 16, sweep_workload(shape, 128), lora_path="two_kernel")["lora_w13"]
+    assert epi["shrink_w13"]["args"]["bytes"] == two.part("x") + two.part("lora_a") + two.part("intermediate_write")
+    assert epi["w13+lora"]["args"]["bytes"] == (base["base_w13"].bytes + two.part("lora_b")
+                                                + two.part("intermediate_read"))
+    assert epi["shrink_w13"]["args"]["kernel"] == "shrink_kernel" and epi["w13+lora"]["args"]["tiles"]["BLOCK_LR"] == 64
 
 
 def test_round_trip_committed_traces(tmp_path):
@@ -276,7 +283,7 @@ def test_to_trace_events_inputs():
 
 def test_command_line(tmp_path, capsys):
     paths = main([str(DATA_DIR / "layer_traces.json"), str(tmp_path / "out")])
-    assert len(paths) == len(TRACES) and "wrote 30 trace file(s)" in capsys.readouterr().out
+    assert len(paths) == len(TRACES) and f"wrote {len(TRACES)} trace file(s)" in capsys.readouterr().out
     assert {p.name for p in paths} == {f"{case}.trace.json" for case in TRACES}
     (combined,) = main([str(DATA_DIR / "layer_traces.json"), str(tmp_path / "out"), "--combined"])
     assert combined.name == "layer_traces.trace.json" and load_trace_events(combined).keys() == TRACES.keys()

@@ -27,7 +27,8 @@ from .traffic import Traffic, count_workload, layer_traffic
 H200_SMS = 132          # streaming multiprocessors of an NVIDIA H200: an input of the LoRA tile rule
 MODEL_KEYS = ("preset", "M", "rank", "loras", "schedule", "lora_path")
 STAGE_KINDS = {"base_w13": "base_gemm", "base_w2": "base_gemm", "lora_w13": "lora", "lora_w2": "lora",
-               "act": "join", "sum": "join", "w13+lora": "fused_gemm", "w2+lora": "fused_gemm"}
+               "act": "join", "sum": "join", "w13+lora": "fused_gemm", "w2+lora": "fused_gemm",
+               "shrink_w13": "lora", "shrink_w2": "lora"}
 LORA_KERNELS = {"one_shot": "one_shot_kernel", "two_kernel": "shrink_kernel, expand_kernel",
                 "small_batch": "small_batch_kernel"}
 
@@ -133,6 +134,12 @@ def bench_workload(shape: MoEShape, num_tokens: int, num_loras: int, seed: int =
     return count_workload(r["topk_ids"], r["token_lora"], shape.num_experts, num_loras)
 
 
+def _parts(t: Traffic, reads, writes) -> Traffic:
+    """The named read and written parts of a LoRA op's traffic, alone (one launch, FLOPs not split)."""
+    r, w = sum(t.part(n) for n in reads), sum(t.part(n) for n in writes)
+    return Traffic(r, w, 0, 1, tuple((n, t.part(n)) for n in (*reads, *writes)))
+
+
 def _lora_weights(t: Traffic) -> Traffic:
     """The LoRA weight reads of a LoRA op's traffic, alone."""
     nbytes = t.part("lora_a") + t.part("lora_b")
@@ -146,7 +153,9 @@ def stage_model(meta: dict, *, sms: int = H200_SMS) -> dict[str, dict]:
     Returns stage -> {"kind", "kernel", "bytes", "bytes_read", "bytes_written", "tiles"}, where
     bytes: ``layer_traffic`` of the benchmarks' routing (``bench_workload``): a lower bound of the HBM
     bytes. The fused schedule's w13+lora / w2+lora move the base GEMM's bytes plus every touched
-    (adapter, expert)'s LoRA weights once; its act and sum read no LoRA deltas.
+    (adapter, expert)'s LoRA weights once; its act and sum read no LoRA deltas. The epilogue schedule's
+    shrink_w13 / shrink_w2 move the two-kernel shrink's bytes (x rows, A, T written), its w13+lora /
+    w2+lora the base GEMM's plus B and T read.
     tiles: ``gpu_gemm_tiles(P / E)`` for the base GEMMs (``lora=True`` and BLOCK_LR for the fused ones);
     for the LoRA ops the ``KernelConfig`` of ``gpu_config(path, P, groups, N, S, sms, rank=r)`` (w13:
     N = I, S = 2; w2: N = H, S = 1) with its BLOCK_R and RANK_TILES; unset fields (None) left out; none for
@@ -171,6 +180,23 @@ def stage_model(meta: dict, *, sms: int = H200_SMS) -> dict[str, dict]:
                    "w2+lora": base["base_w2"] + _lora_weights(lora["lora_w2"]), "sum": base["sum"]}
         fused = dict(gpu_gemm_tiles(P / E, lora=True), BLOCK_LR=fused_columns(L, r))
         tiles = {"w13+lora": fused, "w2+lora": fused}
+    elif schedule == "epilogue":
+        # the two-kernel path's shrink alone, then the base GEMM reading T and the B weights
+        lora = layer_traffic(shape, r, work, lora_path="two_kernel")
+        base = layer_traffic(shape, r, work, with_lora=False)
+        traffic = {}
+        for op in ("w13", "w2"):
+            t = lora[f"lora_{op}"]
+            traffic[f"shrink_{op}"] = _parts(t, ("x", "lora_a"), ("intermediate_write",))
+            traffic[f"{op}+lora"] = base[f"base_{op}"] + _parts(t, ("lora_b", "intermediate_read"), ())
+        traffic.update(act=base["act"], sum=base["sum"])
+        expand = dict(gpu_gemm_tiles(P / E), BLOCK_LR=fused_columns(L, r))
+        tiles = {"w13+lora": expand, "w2+lora": expand}
+        for stage, n_out, slices in (("shrink_w13", I, 2), ("shrink_w2", H, 1)):
+            cfg = gpu_config("two_kernel", P, min(P, L * E), n_out, slices, sms, rank=r)
+            tiles[stage] = dict({key: v for key, v in vars(cfg).items() if v is not None},
+                                BLOCK_R=cfg.rank_tiling(r)[0], RANK_TILES=cfg.rank_tiling(r)[1])
+        traffic = {s: traffic[s] for s in ("shrink_w13", "w13+lora", "act", "shrink_w2", "w2+lora", "sum")}
     else:
         traffic = layer_traffic(shape, r, work, lora_path=path)
         groups = P if path == "small_batch" else min(P, L * E)
@@ -181,6 +207,7 @@ def stage_model(meta: dict, *, sms: int = H200_SMS) -> dict[str, dict]:
             tiles[stage] = dict({key: v for key, v in vars(cfg).items() if v is not None}, BLOCK_R=block_r,
                                 RANK_TILES=rank_tiles)
     kernels = {"base_gemm": "moe_gemm_kernel", "fused_gemm": "moe_gemm_kernel (with LoRA)",
+               "shrink_w13": "shrink_kernel", "shrink_w2": "shrink_kernel",
                "lora": LORA_KERNELS.get(path, path), "act": "silu_and_mul_kernel", "sum": "topk_sum_kernel"}
     model = {}
     for stage, t in traffic.items():

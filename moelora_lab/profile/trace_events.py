@@ -5,7 +5,7 @@ Shape legend: M tokens, E experts, k top-k, L adapters, r rank, H hidden, I inte
 Written as ``{"displayTimeUnit": "ns", "traceEvents": [...], "otherData": {...}}`` (no other top-level
 keys: some readers stop at unknown ones). One process (pid) per case, named after it, with M, r,
 schedule and LoRA path as its labels; one thread (tid) per CUDA stream the schedule used: "main
-stream", and "side stream" for dual_stream (sequential and fused run every stage on the main stream).
+stream", and "side stream" for dual_stream (the other schedules run every stage on the main stream).
 One complete event ("ph": "X") per stage: ts and dur in µs, cat the stage's kind, args lane (the
 tracer's "main" or "lora"), kernel, bytes, bytes_read, bytes_written, achieved_GBps, tiles (see
 ``timeline.stage_model``). otherData: producer, models, SM count, shared provenance, every case's meta.
@@ -28,7 +28,7 @@ from .trace_import import PRODUCER, THREADS, _is_number, load_trace_events
 
 __all__ = ["check_trace_events", "export_trace_files", "load_trace_events", "save_trace_events", "to_trace_events"]
 
-ONE_STREAM = ("sequential", "fused")             # schedules that run every stage on the main stream
+ONE_STREAM = ("sequential", "fused", "epilogue")  # schedules that run every stage on the main stream
 PROVENANCE = ("gpu", "torch", "triton", "python", "date", "code", "command")
 METADATA = ("process_name", "process_labels", "process_sort_index", "thread_name", "thread_sort_index")
 TRAFFIC = ("kernel", "bytes", "bytes_read", "bytes_written")
