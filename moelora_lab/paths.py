@@ -91,6 +91,11 @@ class LoRAPath:
         return None
 
 
+def _slice_pairs(num_slices: int):
+    """(first slice, slices) of each launch: the kernels take two slices at a time."""
+    return [(s0, min(2, num_slices - s0)) for s0 in range(0, num_slices, 2)]
+
+
 def _slices(ws, s0):
     """Pointers for a launch covering slices s0 and s0+1 (slice s0 twice when only one is left)."""
     return ws[s0], ws[min(s0 + 1, len(ws) - 1)]
@@ -130,8 +135,7 @@ def launch_one_shot(call: LoRACall, cfg: KernelConfig | None = None):
     block_r, rank_tiles = cfg.rank_tiling(R)
     n_chunks = min(cfg.n_chunks, triton.cdiv(N, cfg.block_n))    # never more chunks than N tiles
     compiled = None
-    for s0 in range(0, S, 2):
-        ns = min(2, S - s0)
+    for s0, ns in _slice_pairs(S):
         compiled = one_shot_kernel[(blocks.num_blocks, ns * n_chunks)](
             x, *_slices(call.lora_a, s0), *_slices(call.lora_b, s0), out2d, weights, *blocks.tensors,
             call.ranks_or(blocks.block_lora), M * k, k, K, N, R, s0 * N,
@@ -163,8 +167,7 @@ def launch_shrink(x, lora_a, inter, blocks: BlockList, cfg: KernelConfig, *, top
     R, K = lora_a[0].shape[2], lora_a[0].shape[3]
     block_r, rank_tiles = cfg.rank_tiling(R)
     ranks = blocks.block_lora if lora_ranks is None else lora_ranks
-    for s0 in range(0, len(lora_a), 2):
-        ns = min(2, len(lora_a) - s0)
+    for s0, ns in _slice_pairs(len(lora_a)):
         t = inter[s0:s0 + ns]
         shrink_kernel[(blocks.num_blocks, ns, rank_tiles)](
             x, *_slices(lora_a, s0), t, *blocks.tensors, ranks,
@@ -181,8 +184,7 @@ def launch_expand(inter, lora_b, out2d, weights, blocks: BlockList, cfg: KernelC
     N, R = lora_b[0].shape[2], lora_b[0].shape[3]
     block_r, _ = cfg.rank_tiling(R)
     ranks = blocks.block_lora if lora_ranks is None else lora_ranks
-    for s0 in range(0, len(lora_b), 2):
-        ns = min(2, len(lora_b) - s0)
+    for s0, ns in _slice_pairs(len(lora_b)):
         t = inter[s0:s0 + ns]
         expand_kernel[(blocks.num_blocks, ns, triton.cdiv(N, cfg.block_n))](
             t, *_slices(lora_b, s0), out2d, weights, *blocks.tensors, ranks, inter.shape[1], N, R, s0 * N,
@@ -201,8 +203,7 @@ def launch_small_batch(call: LoRACall, cfg: KernelConfig | None = None) -> None:
     n_chunks = min(cfg.n_chunks, triton.cdiv(N, cfg.block_n))
     ids = call.topk_ids.reshape(-1).to(torch.int32).contiguous()
     token_lora = call.token_lora.to(torch.int32).contiguous()
-    for s0 in range(0, S, 2):
-        ns = min(2, S - s0)
+    for s0, ns in _slice_pairs(S):
         work = M * k * ns * n_chunks
         programs = min(work, cfg.programs or 2 * num_sms(x.device))
         small_batch_kernel[(programs,)](

@@ -146,6 +146,13 @@ def _lora_weights(t: Traffic) -> Traffic:
     return Traffic(nbytes, 0, 0, 0, (("lora_weights", nbytes),))
 
 
+def _lora_tiles(path: str, P: int, groups: int, n_out: int, slices: int, sms: int, r: int) -> dict:
+    """The set fields of a LoRA launch's ``KernelConfig`` on the GPU, with its BLOCK_R and RANK_TILES."""
+    cfg = gpu_config(path, P, groups, n_out, slices, sms, rank=r)
+    block_r, rank_tiles = cfg.rank_tiling(r)
+    return dict({key: v for key, v in vars(cfg).items() if v is not None}, BLOCK_R=block_r, RANK_TILES=rank_tiles)
+
+
 def stage_model(meta: dict, *, sms: int = H200_SMS) -> dict[str, dict]:
     """Bytes and tiles of every stage of one benchmark trace, from the case's ``meta`` alone.
 
@@ -193,19 +200,14 @@ def stage_model(meta: dict, *, sms: int = H200_SMS) -> dict[str, dict]:
         expand = dict(gpu_gemm_tiles(P / E), BLOCK_LR=fused_columns(L, r))
         tiles = {"w13+lora": expand, "w2+lora": expand}
         for stage, n_out, slices in (("shrink_w13", I, 2), ("shrink_w2", H, 1)):
-            cfg = gpu_config("two_kernel", P, min(P, L * E), n_out, slices, sms, rank=r)
-            tiles[stage] = dict({key: v for key, v in vars(cfg).items() if v is not None},
-                                BLOCK_R=cfg.rank_tiling(r)[0], RANK_TILES=cfg.rank_tiling(r)[1])
+            tiles[stage] = _lora_tiles("two_kernel", P, min(P, L * E), n_out, slices, sms, r)
         traffic = {s: traffic[s] for s in ("shrink_w13", "w13+lora", "act", "shrink_w2", "w2+lora", "sum")}
     else:
         traffic = layer_traffic(shape, r, work, lora_path=path)
         groups = P if path == "small_batch" else min(P, L * E)
         tiles = {"base_w13": gpu_gemm_tiles(P / E), "base_w2": gpu_gemm_tiles(P / E)}
         for stage, n_out, slices in (("lora_w13", I, 2), ("lora_w2", H, 1)):
-            cfg = gpu_config(path, P, groups, n_out, slices, sms, rank=r)
-            block_r, rank_tiles = cfg.rank_tiling(r)
-            tiles[stage] = dict({key: v for key, v in vars(cfg).items() if v is not None}, BLOCK_R=block_r,
-                                RANK_TILES=rank_tiles)
+            tiles[stage] = _lora_tiles(path, P, groups, n_out, slices, sms, r)
     kernels = {"base_gemm": "moe_gemm_kernel", "fused_gemm": "moe_gemm_kernel (with LoRA)",
                "shrink_w13": "shrink_kernel", "shrink_w2": "shrink_kernel",
                "lora": LORA_KERNELS.get(path, path), "act": "silu_and_mul_kernel", "sum": "topk_sum_kernel"}
