@@ -59,6 +59,8 @@ def test_every_committed_file_is_current():
             continue
         load(path.stem)
     results.load_traces()
+    for path in sorted((results.DATA_DIR.parent / "h200x2").glob("*.csv")):    # the two-GPU set, same stamp
+        load(path.stem, data_dir=path.parent)
 
 
 def test_data_readme_lists_every_file():
