@@ -110,7 +110,8 @@ WIDE_MAX_PAIRS = 16384
 PROGRAMS_PER_SM = 4
 NARROW_RANK = 16            # rank tiles up to this wide: 2 warps, BLOCK_K 128 (measured at r 16 only)
 MAX_EXPAND_COLUMNS = 1024
-TWO_KERNEL_NARROW = (32, 64)    # two-kernel blocks of at most 32 pairs, rank tiles at most 64 wide: 2 warps
+TWO_KERNEL_NARROW_BLOCK_M = 32  # two-kernel blocks of at most this many pairs ...
+TWO_KERNEL_NARROW_RANK = 64     # ... and rank tiles at most this wide: 2 warps
 
 
 def choose_path(num_pairs: int, num_experts: int, num_loras: int, rank: int, n_out: int | None = None) -> str:
@@ -167,7 +168,7 @@ def gpu_config(path: str, num_pairs: int, num_groups: int, n_out: int, num_slice
     narrow = rank is not None and cfg.rank_tiling(rank)[0] <= NARROW_RANK
     if narrow and path == "one_shot":
         cfg = cfg.replace(num_warps=2, block_k=128)
-    max_m, max_r = TWO_KERNEL_NARROW
-    if path == "two_kernel" and rank is not None and block_m <= max_m and cfg.rank_tiling(rank)[0] <= max_r:
+    if (path == "two_kernel" and rank is not None and block_m <= TWO_KERNEL_NARROW_BLOCK_M
+            and cfg.rank_tiling(rank)[0] <= TWO_KERNEL_NARROW_RANK):
         cfg = cfg.replace(num_warps=2)
     return cfg
