@@ -118,9 +118,12 @@ def moe_gemm(x: torch.Tensor, w: torch.Tensor, blocks: BlockList, out: torch.Ten
 
 
 def _tma_fits(w: torch.Tensor) -> bool:
-    """Whether W tiles can come by TMA: a GPU of compute capability 9.0 or later, a contiguous w with
-    16-byte aligned rows."""
-    if INTERPRET or w.device.type != "cuda" or torch.cuda.get_device_capability(w.device)[0] < 9:
+    """Whether the rule loads W tiles by TMA: a GPU of compute capability 9.0 or later, a 16-bit w (fp32
+    tiles of the rule's size overflow shared memory with the bulk copies' buffers; they were never measured
+    faster), contiguous, with 16-byte aligned rows."""
+    if INTERPRET or w.device.type != "cuda" or w.element_size() != 2:
+        return False
+    if torch.cuda.get_device_capability(w.device)[0] < 9:
         return False
     return w.is_contiguous() and (w.shape[2] * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
 

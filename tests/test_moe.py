@@ -78,6 +78,7 @@ def test_w_tma_auto_loads_by_tma_where_it_can(device):
     strided = p.w13.transpose(1, 2).contiguous().transpose(1, 2)          # same values, K not fastest
     hopper = torch.device(device).type == "cuda" and torch.cuda.get_device_capability()[0] >= 9
     assert moe._tma_fits(p.w13) == (hopper and not moe.INTERPRET) and not moe._tma_fits(strided)
+    assert not moe._tma_fits(p.w13.float())                                 # 16-bit weights only
     want = expected(p, p.x, p.w13, [torch.zeros_like(a) for a in p.w13_lora_a], p.w13_lora_b, False)
     for w in (p.w13, strided):
         assert_close(run(p, p.x, w, None, mul=False, W_TMA="auto"), want, torch.float16)
