@@ -48,6 +48,12 @@ class MoEShape:
             raise ValueError(f"preset {name!r} is unknown; choose one of {', '.join(PRESETS)}")
         return PRESETS[name]
 
+    def op_dims(self, op: str) -> tuple[int, int, int]:
+        """(K, N, S) of a LoRA op: w13 reads H and writes I in 2 slices (gate, up); w2 reads I and writes H."""
+        if op not in ("w13", "w2"):
+            raise ValueError(f"op: expected 'w13' or 'w2', got {op!r}")
+        return (self.hidden, self.intermediate, 2) if op == "w13" else (self.intermediate, self.hidden, 1)
+
     def expert_weight_bytes(self, dtype_bytes: int = 2) -> int:
         """Bytes of one expert's base weights (w13 + w2)."""
         return 3 * self.hidden * self.intermediate * dtype_bytes

@@ -92,19 +92,38 @@ def num_sms(device: torch.device) -> int:
 #   in a second chunk is cheap;
 # * 32-pair blocks stream K in 128-wide steps at rank 16 (64 was 20% slower on w2 at M = 2048).
 # A second walk at r 16 started from this rule found at most 1.13x around it.
+# Refined by a path probe at r 16, 64 and 256 (one-shot at 1..8 chunks, two-kernel at 2 and 4 warps; the
+# evidence that stays is data/h200/kernels.csv, where ``auto`` is timed next to every path):
+# * outputs wider than ``MAX_EXPAND_COLUMNS`` per slice (w2's N = H = 2048, deepseek's gate/up N = 1408)
+#   go to the two-kernel path from ``WIDE_MIN_PAIRS`` up to ``WIDE_MAX_PAIRS`` pairs at r < 128: a one-shot
+#   program walks every N tile of its block after its shrink, and below ~8 blocks per SM those long
+#   programs leave SMs idle, while the expand grid (blocks x N tiles) fills them (1.1-1.4x at r 16-64);
+#   at r 128 one rank tile makes the fused program short enough to win, and past 16384 pairs there
+#   are enough blocks;
+# * the two-kernel path runs 2 warps when its blocks are at most 32 pairs and its rank tile at most 64
+#   wide (up to 9% faster at r 16; level at r 64); 4 warps for 64-pair blocks or wider rank tiles.
 TWO_KERNEL_MIN_RANK = 64
 TWO_KERNEL_MIN_PAIRS = 32
 TWO_KERNEL_MAX_PAIRS = 4096
+WIDE_MIN_PAIRS = 128
+WIDE_MAX_PAIRS = 16384
 PROGRAMS_PER_SM = 4
 NARROW_RANK = 16            # rank tiles up to this wide: 2 warps, BLOCK_K 128 (measured at r 16 only)
 MAX_EXPAND_COLUMNS = 1024
+TWO_KERNEL_NARROW_BLOCK_M = 32  # two-kernel blocks of at most this many pairs ...
+TWO_KERNEL_NARROW_RANK = 64     # ... and rank tiles at most this wide: 2 warps
 
 
-def choose_path(num_pairs: int, num_experts: int, num_loras: int, rank: int) -> str:
-    """The ``auto`` rule (see the measurements above): one-shot, except r >= 64 with 32..4096 pairs
-    (r >= 128: 1..4096 pairs), where the two-kernel path's wider grid wins."""
+def choose_path(num_pairs: int, num_experts: int, num_loras: int, rank: int, n_out: int | None = None) -> str:
+    """The ``auto`` rule (see the measurements above): one-shot, except
+    * r >= 64 with 32..4096 pairs (r >= 128: 1..4096 pairs), where the two-kernel path's wider grid wins;
+    * an output wider than ``MAX_EXPAND_COLUMNS`` per slice (``n_out``, N; None: unknown) at r < 128
+      with 128..16384 pairs, where one-shot programs walk too many N tiles each."""
     min_pairs = 1 if rank >= 2 * TWO_KERNEL_MIN_RANK else TWO_KERNEL_MIN_PAIRS
     if rank >= TWO_KERNEL_MIN_RANK and min_pairs <= num_pairs <= TWO_KERNEL_MAX_PAIRS:
+        return "two_kernel"
+    wide = n_out is not None and n_out > MAX_EXPAND_COLUMNS
+    if wide and rank < 2 * TWO_KERNEL_MIN_RANK and WIDE_MIN_PAIRS <= num_pairs <= WIDE_MAX_PAIRS:
         return "two_kernel"
     return "one_shot"
 
@@ -149,4 +168,7 @@ def gpu_config(path: str, num_pairs: int, num_groups: int, n_out: int, num_slice
     narrow = rank is not None and cfg.rank_tiling(rank)[0] <= NARROW_RANK
     if narrow and path == "one_shot":
         cfg = cfg.replace(num_warps=2, block_k=128)
+    if (path == "two_kernel" and rank is not None and block_m <= TWO_KERNEL_NARROW_BLOCK_M
+            and cfg.rank_tiling(rank)[0] <= TWO_KERNEL_NARROW_RANK):
+        cfg = cfg.replace(num_warps=2)
     return cfg

@@ -143,7 +143,7 @@ def plan_layer(topk_ids, token_lora, num_experts: int, num_loras: int | None, ra
             return LayerPlan(base, None, "in_gemm" if in_gemm else None, **plan)
         path = "two_kernel" if in_gemm else resolve_path(     # epilogue: the two-kernel path's shrink
             lora_path, num_pairs=P, num_experts=E, num_loras=num_loras, rank=rank, add_inputs=False,
-            token_rows=True, choice_rank=choice_rank(rank, lora_ranks))
+            token_rows=True, choice_rank=choice_rank(rank, lora_ranks), n_out=intermediate)
         cfg = choose_config(path, P, min(P, num_loras * E), intermediate or 1, 2, topk_ids.device, rank=rank)
         # both block lists from one construction (the same launches on a GPU)
         base, lora = make_block_lists(topk_ids, token_lora, E, [base_list, (num_loras, cfg.block_m)],

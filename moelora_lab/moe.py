@@ -36,6 +36,10 @@ class GemmLoRA(NamedTuple):
 # both GEMMs (the earlier 128 x 64 lost up to 28% at M = 1); from 64 pairs per expert 256-wide N
 # tiles with 4 stages and GROUP_M 8 win by 3-8% (M = 2048, 8192). The in-GEMM LoRA keeps
 # BLOCK_K = 128 while blocks hold one or two pairs and drops to 64 once they mix adapters (within 7%).
+# W tiles come by TMA bulk copies wherever the GPU has a tensor memory accelerator and the weight allows
+# it (``W_TMA="auto"``): with the rule's tiles that was faster in 27 of 28 cases of data/h200/gemm_tma.csv
+# (qwen3-30b-a3b and deepseek-v2-lite, w13 and w2, M = 1 .. 8192), by up to 9% at M = 8192, and level
+# (within 0.2%) in the last.
 def gemm_tiles(num_pairs: int, num_experts: int, *, lora: bool = False) -> dict:
     """Tiles of the grouped GEMM: BLOCK_M from the pairs each expert gets on average."""
     if INTERPRET:
@@ -47,11 +51,11 @@ def gpu_gemm_tiles(per_expert: float, *, lora: bool = False) -> dict:
     """The GPU tile rule above, by pairs per expert (also usable on the CPU, to read the data)."""
     if per_expert <= 16:
         block_k = 64 if lora and per_expert > 2 else 128
-        return dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=block_k, GROUP_M=1, num_warps=4, num_stages=3)
+        return dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=block_k, GROUP_M=1, num_warps=4, num_stages=3, W_TMA="auto")
     if per_expert <= 32:
-        return dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=3)
+        return dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=3, W_TMA="auto")
     return dict(BLOCK_M=64 if per_expert <= 96 else 128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8,
-                num_stages=4)
+                num_stages=4, W_TMA="auto")
 
 
 def fused_columns(num_loras: int, rank: int) -> int:
@@ -67,8 +71,9 @@ def moe_gemm(x: torch.Tensor, w: torch.Tensor, blocks: BlockList, out: torch.Ten
     adapter l. Inputs are trusted (the layer validates them).
 
     x: [M, K] token rows or [P, K] pair rows; w: [E, N, K]; out: [P, N]; topk_weights: [P] fp32 or None.
-    ``tiles`` may add ``W_TMA=True``: W tiles by TMA bulk copies (a GPU of compute capability 9.0 or
-    later, or the interpreter; w contiguous, rows 16-byte aligned).
+    ``tiles`` may add ``W_TMA``: True loads W tiles by TMA bulk copies (a GPU of compute capability 9.0
+    or later, or the interpreter; w contiguous, rows 16-byte aligned; a ValueError otherwise), "auto"
+    (the GPU rule's value) wherever that holds and by pointer elsewhere, False by pointer.
     """
     E, N, K = w.shape
     P = out.shape[0]
@@ -79,6 +84,10 @@ def moe_gemm(x: torch.Tensor, w: torch.Tensor, blocks: BlockList, out: torch.Ten
     warps, stages = tiles.pop("num_warps"), tiles.pop("num_stages")
     tiles.setdefault("GROUP_M", 1)
     w_tma = tiles.pop("W_TMA", False)
+    if w_tma not in (True, False, "auto"):
+        raise ValueError(f"tiles: W_TMA must be True, False or 'auto', got {w_tma!r}")
+    if w_tma == "auto":
+        w_tma = _tma_fits(w)
     w_desc = _w_descriptor(w, tiles["BLOCK_N"], tiles["BLOCK_K"]) if w_tma else w
     mul = topk_weights is not None
     if lora is None:
@@ -106,6 +115,17 @@ def moe_gemm(x: torch.Tensor, w: torch.Tensor, blocks: BlockList, out: torch.Ten
             HAS_LORA=lora is not None, HAS_RANKS=has_ranks, W_TMA=w_tma, T_IN=t is not None,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages, **tiles)
     return out
+
+
+def _tma_fits(w: torch.Tensor) -> bool:
+    """Whether the rule loads W tiles by TMA: a GPU of compute capability 9.0 or later, a 16-bit w (fp32
+    tiles of the rule's size overflow shared memory with the bulk copies' buffers; they were never measured
+    faster), contiguous, with 16-byte aligned rows."""
+    if INTERPRET or w.device.type != "cuda" or w.element_size() != 2:
+        return False
+    if torch.cuda.get_device_capability(w.device)[0] < 9:
+        return False
+    return w.is_contiguous() and (w.shape[2] * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
 
 
 def _w_descriptor(w: torch.Tensor, block_n: int, block_k: int):

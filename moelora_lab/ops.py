@@ -116,7 +116,7 @@ def moe_lora(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, *, path: str
                      lora_a=lora_a, lora_b=lora_b, enabled=enabled, lora_ranks=lora_ranks)
     token_rows = not (x.shape[0] == M * k and k > 1)
     path = resolve_path(path, num_pairs=M * k, num_experts=E, num_loras=L, rank=R, add_inputs=add_inputs,
-                        token_rows=token_rows, choice_rank=choice_rank(R, lora_ranks))
+                        token_rows=token_rows, choice_rank=choice_rank(R, lora_ranks), n_out=N)
     if validate:
         check_values(ranges + ([] if checked else routing_ranges(topk_ids, token_lora, E, L)))
     if M == 0:

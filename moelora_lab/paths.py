@@ -251,13 +251,15 @@ def paths_markdown() -> str:
 
 
 def resolve_path(path: str, *, num_pairs: int, num_experts: int, num_loras: int, rank: int, add_inputs: bool,
-                 token_rows: bool, choice_rank: int | None = None) -> str:
+                 token_rows: bool, choice_rank: int | None = None, n_out: int | None = None) -> str:
     """The path a call runs: ``auto`` follows the measured rule (``dispatch.choose_path``, at
-    ``choice_rank``: the slots' real rank when known, else ``rank``) among the paths that support
-    the call at the weights' ``rank``; an explicit path must support it (a ValueError says why not)."""
+    ``choice_rank``: the slots' real rank when known, else ``rank``; ``n_out``: the output columns per
+    slice, N) among the paths that support the call at the weights' ``rank``; an explicit path must
+    support it (a ValueError says why not)."""
     get_path(path)
     if path == "auto":
-        preferred = choose_path(num_pairs, num_experts, num_loras, rank if choice_rank is None else choice_rank)
+        preferred = choose_path(num_pairs, num_experts, num_loras, rank if choice_rank is None else choice_rank,
+                                n_out)
         order = [preferred] + [n for n in TRITON_PATHS if n != preferred]
         for name in order:
             if PATHS[name].unsupported(rank, add_inputs, token_rows) is None:

@@ -46,7 +46,7 @@ def _rule_table() -> list:
                    DUAL_STREAM_MAX_PAIRS_PER_EXPERT, MAX_FUSED_COLUMNS, SIDE_PRIORITIES[0]]
     for p in pairs:
         for groups in (1, 8, 64, 512):
-            table.append([choose_path(p, groups, 4, r or 16) for r in ranks])
+            table.append([choose_path(p, groups, 4, r or 16, n_out) for r in ranks for n_out in (None, 768, 2048)])
             for path in ("one_shot", "two_kernel", "small_batch"):
                 for n_out, slices in ((768, 2), (2048, 1), (1408, 2)):
                     table.append([repr(gpu_config(path, p, groups, n_out, slices, _FINGERPRINT_SMS, rank=r))

@@ -43,6 +43,7 @@ def _op_section(kernels, vllm, align) -> list[str]:
     best = [theirs[c]["vllm_best_us"] / ours[c] for c in cells]
     out += ["", "(ours / vLLM's dispatch, µs.) vLLM's time over ours: " + _speedups(disp, "its dispatch") + "; "
             + _speedups(best, "the fastest of its paths") + "."]
+    out += [_auto_line(kernels)]
     by = {(r["method"], r["preset"], r["M"]): r["us_median"] for r in align}
     torch_ops = [v for (m, p, _), v in by.items() if m == "torch_ops"]
     device = [v for (m, p, _), v in by.items() if m == "triton_kernels"]
@@ -51,6 +52,30 @@ def _op_section(kernels, vllm, align) -> list[str]:
             f"GPUs: one launch up to {SORT_MAX_PAIRS} pairs, three beyond; `align.csv`, M = "
             + ", ".join(str(m) for m in sorted({k[2] for k in by})) + ")."]
     return out
+
+
+AUTO_SLACK = 0.03        # "within 3% of our fastest path"
+
+
+def auto_over_best(kernels) -> dict:
+    """(preset, op, r, M) -> time of the ``auto`` row over the fastest of our paths' rows in that cell."""
+    cells: dict = {}
+    for r in kernels:
+        if r["path"] in ("auto", "one_shot", "two_kernel", "small_batch"):
+            cells.setdefault((r["preset"], r["op"], r["rank"], r["M"]), {})[r["path"]] = r["us_median"]
+    return {key: t["auto"] / min(v for p, v in t.items() if p != "auto")
+            for key, t in cells.items() if "auto" in t and len(t) > 1}
+
+
+def _auto_line(kernels) -> str:
+    ratios = auto_over_best(kernels)
+    near = [key for key, x in ratios.items() if x <= 1 + AUTO_SLACK]
+    worst = max(ratios, key=ratios.get)
+    presets = ", ".join(sorted({k[0] for k in ratios}))
+    return (f"Against our own paths over the whole sweep ({presets}; w13, w2; r "
+            f"{', '.join(str(r) for r in sorted({k[2] for k in ratios}))}): `auto` is within {AUTO_SLACK:.0%} of "
+            f"the fastest in {len(near)} of {len(ratios)} cells; its largest loss is {ratios[worst] - 1:.0%} "
+            f"({worst[0]} {worst[1]} r={worst[2]} M={worst[3]}).")
 
 
 def _speedups(ratios, against: str) -> str:

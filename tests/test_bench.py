@@ -24,6 +24,7 @@ def cpu_bench(monkeypatch):
 
     monkeypatch.setattr(common, "DEVICE", "cpu")
     monkeypatch.setattr(timing, "time_cuda", fake_time)
+    monkeypatch.setattr(timing, "time_cuda_interleaved", lambda fns, **kw: {n: fake_time(f) for n, f in fns.items()})
     monkeypatch.setattr(timing, "copy_bandwidth", lambda *a, **k: 4.0e12)
     monkeypatch.setattr(timing, "matmul_rate", lambda *a, **k: 7.0e14)
     return calls

@@ -70,6 +70,23 @@ def test_w_tiles_by_tma_match_reference(device, with_lora, tiles):
     assert_close(out2, expected(p, h, p.w2, zeros2, p.w2_lora_b, True), torch.float16)
 
 
+def test_w_tma_auto_loads_by_tma_where_it_can(device):
+    """W_TMA="auto" (the GPU rule's value): TMA bulk copies where the GPU and the weight allow them,
+    pointer loads elsewhere, the same result either way; a value the launcher does not know is refused."""
+    from moelora_lab import moe
+    p = case(device, torch.float16, 6, 8, seed=5)
+    strided = p.w13.transpose(1, 2).contiguous().transpose(1, 2)          # same values, K not fastest
+    hopper = torch.device(device).type == "cuda" and torch.cuda.get_device_capability()[0] >= 9
+    assert moe._tma_fits(p.w13) == (hopper and not moe.INTERPRET) and not moe._tma_fits(strided)
+    assert not moe._tma_fits(p.w13.float())                                 # 16-bit weights only
+    want = expected(p, p.x, p.w13, [torch.zeros_like(a) for a in p.w13_lora_a], p.w13_lora_b, False)
+    for w in (p.w13, strided):
+        assert_close(run(p, p.x, w, None, mul=False, W_TMA="auto"), want, torch.float16)
+    with pytest.raises(ValueError, match="tiles: W_TMA must be True, False or 'auto', got 'yes'"):
+        run(p, p.x, p.w13, None, mul=False, W_TMA="yes")
+    assert all(moe.gpu_gemm_tiles(pe, lora=lora)["W_TMA"] == "auto" for pe in (1, 24, 200) for lora in (False, True))
+
+
 def test_w_tma_refuses_a_strided_weight(device):
     p = case(device, torch.float16, 4, 8, seed=0)
     strided = p.w13.transpose(1, 2).contiguous().transpose(1, 2)          # same values, K not fastest

@@ -152,6 +152,15 @@ def test_auto_uses_the_documented_rule(device):
     assert choose_path(num_pairs=8, num_experts=128, num_loras=4, rank=128) == "two_kernel"
     assert choose_path(num_pairs=4096, num_experts=128, num_loras=4, rank=256) == "two_kernel"
     assert choose_path(num_pairs=4097, num_experts=128, num_loras=4, rank=256) == "one_shot"
+    # outputs wider than MAX_EXPAND_COLUMNS per slice: two kernels at r < 128 from 128 to 16384 pairs
+    wide = dict(num_experts=128, num_loras=4, n_out=2048)
+    assert choose_path(num_pairs=127, rank=16, **wide) == "one_shot"
+    assert choose_path(num_pairs=128, rank=16, **wide) == "two_kernel"
+    assert choose_path(num_pairs=16384, rank=64, **wide) == "two_kernel"
+    assert choose_path(num_pairs=16385, rank=16, **wide) == "one_shot"
+    assert choose_path(num_pairs=8192, rank=128, **wide) == "one_shot"
+    assert choose_path(num_pairs=8192, rank=16, num_experts=128, num_loras=4, n_out=1024) == "one_shot"
+    assert choose_path(num_pairs=8192, rank=16, num_experts=128, num_loras=4) == "one_shot"    # N unknown
     p = lora_case(40, device=device, seed=8)
     ref = ml.moe_lora_reference(**p.w13_lora_inputs())
     assert_close(moe_lora(**p.w13_lora_inputs()), ref, torch.float32)
@@ -258,7 +267,9 @@ def test_gpu_tile_rule_for_narrow_ranks():
     from moelora_lab.dispatch import MAX_EXPAND_COLUMNS, gpu_config
     for rank, warps in ((8, 2), (16, 2), (32, 4), (64, 4), (None, 4)):
         assert gpu_config("one_shot", 4096, 512, 2048, 1, 132, rank=rank).num_warps == warps, rank
-    assert gpu_config("two_kernel", 4096, 512, 2048, 1, 132, rank=16).num_warps == 4
+    # the two-kernel path: 2 warps for blocks of <= 32 pairs with rank tiles <= 64 wide, else 4
+    for pairs, rank, warps in ((4096, 16, 2), (4096, 64, 2), (4096, 128, 4), (4096, None, 4), (65536, 16, 4)):
+        assert gpu_config("two_kernel", pairs, 512, 2048, 1, 132, rank=rank).num_warps == warps, (pairs, rank)
     for n_out in (768, 2048, 5000):
         cfg = gpu_config("one_shot", 4096, 512, n_out, 1, 132, rank=16)
         assert cfg.block_m == 16 and cfg.n_chunks >= -(-n_out // MAX_EXPAND_COLUMNS)

@@ -238,7 +238,8 @@ def test_committed_vllm_comparison_uses_the_auto_rows_of_the_sweep():
     qwen = MoEShape.from_name("qwen3-30b-a3b")
     for r in table:
         assert r["ran"] == resolve_path("auto", num_pairs=r["M"] * qwen.top_k, num_experts=qwen.num_experts,
-                                        num_loras=4, rank=r["rank"], add_inputs=True, token_rows=r["op"] == "w13")
+                                        num_loras=4, rank=r["rank"], add_inputs=True, token_rows=r["op"] == "w13",
+                                        n_out=qwen.op_dims(r["op"])[1])
         assert r["speedup"] == pytest.approx(r["vllm_dispatch_us"] / r["ours_us"])
     assert sum(r["speedup"] > 1 for r in table) >= 26                      # faster in all but a few cells
 

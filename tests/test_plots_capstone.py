@@ -96,7 +96,7 @@ def test_auto_rules_follow_the_library():
 
     for c in path_cases(KERNEL_ROWS):
         f = c["features"]
-        assert auto_path(f) == choose_path(f["pairs"], f["num_experts"], f["loras"], f["rank"])
+        assert auto_path(f) == choose_path(f["pairs"], f["num_experts"], f["loras"], f["rank"], f["N"])
     assert [auto_schedule(c["features"]) for c in schedule_cases(LAYER_ROWS)] == \
         [gpu_schedule(8, 128), gpu_schedule(2048 * 8, 128)] == ["dual_stream", "sequential"]
 

@@ -24,7 +24,8 @@ from moelora_lab.profile.report import (
     one_shot_report,
     report,
 )
-from moelora_lab.profile.timing import Timing, copy_bandwidth, provenance, time_cuda
+from moelora_lab.profile.timing import (Timing, copy_bandwidth, interleave, pooled, provenance, time_cuda,
+                                       time_cuda_interleaved)
 
 ROOT = Path(__file__).resolve().parent.parent
 REGISTERS_CSV = ROOT / "moelora_lab" / "data" / "h200" / "registers.csv"
@@ -90,11 +91,51 @@ def test_one_shot_report_on_cpu_asks_for_a_gpu():
 
 
 @cpu_only
-@pytest.mark.parametrize("call", [lambda: time_cuda(lambda: None), lambda: copy_bandwidth(1 << 20)],
-                         ids=["time_cuda", "copy_bandwidth"])
+@pytest.mark.parametrize("call", [lambda: time_cuda(lambda: None), lambda: copy_bandwidth(1 << 20),
+                                  lambda: time_cuda_interleaved({"a": lambda: None})],
+                         ids=["time_cuda", "copy_bandwidth", "time_cuda_interleaved"])
 def test_timing_on_cpu_raises_instead_of_timing_the_interpreter(call):
     with pytest.raises(RuntimeError, match="needs a CUDA GPU.*committed H200 data"):
         call()
+
+
+def test_interleave_takes_the_names_in_turn_and_pools_their_rounds():
+    order = []
+
+    def sample(name, rnd):
+        order.append((rnd, name))
+        if name == "broken" and rnd == 1:
+            raise RuntimeError("no such op")
+        return [1.0 + rnd, 2.0 + rnd] if name == "a" else [5.0]
+
+    got = interleave(["a", "b", "broken"], 3, sample)
+    assert order == [(0, "a"), (0, "b"), (0, "broken"), (1, "a"), (1, "b"), (1, "broken"), (2, "a"), (2, "b")]
+    assert got["a"] == pooled([1.0, 2.0, 2.0, 3.0, 3.0, 4.0]) and got["a"].median_us == pytest.approx(2500.0)
+    assert got["b"] == Timing(5000.0, 5000.0, 5000.0)
+    assert isinstance(got["broken"], RuntimeError)                  # recorded, not raised; tried no more
+    with pytest.raises(ValueError, match="rounds"):
+        interleave(["a"], 0, sample)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_time_cuda_interleaved_times_every_callable_and_keeps_failures():
+    small, big = (torch.empty(n, device="cuda") for n in (1 << 10, 1 << 26))
+
+    def broken():
+        raise RuntimeError("no such op")
+
+    got = time_cuda_interleaved({"small": lambda: small.add_(1), "big": lambda: big.add_(1), "broken": broken},
+                                rounds=2, rep_ms=20)
+    assert got["small"].p20_us <= got["small"].median_us <= got["small"].p80_us
+    assert got["big"].median_us > 10 * got["small"].median_us           # 65536x the bytes
+    assert isinstance(got["broken"], RuntimeError)
+
+
+def test_pooled_quantiles_interpolate_like_do_bench():
+    t = pooled([4.0, 1.0, 3.0, 2.0, 5.0])
+    assert (t.median_us, t.p20_us, t.p80_us) == pytest.approx((3000.0, 1800.0, 4200.0))
+    with pytest.raises(ValueError, match="samples_ms"):
+        pooled([])
 
 
 def test_timing_fields():

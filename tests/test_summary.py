@@ -22,3 +22,17 @@ def test_summary_states_the_data():
     assert f"| no LoRA [µs] | {no_lora_1['us_median']:.1f} |" in text
     kernels = results.load("kernels")
     assert f"code {kernels[0]['code']}" in text and kernels[0]["gpu"] in text
+
+
+def test_auto_line_counts_the_cells_within_the_slack():
+    from moelora_lab.summary import AUTO_SLACK, _auto_line, auto_over_best
+
+    rows = [dict(preset="p", op="w2", rank=16, M=m, path=path, us_median=us)
+            for m, times in ((1, dict(auto=10.0, one_shot=10.0, two_kernel=12.0)),
+                             (8, dict(auto=11.0, one_shot=10.0, two_kernel=11.0)),
+                             (32, dict(auto=10.2, one_shot=10.0, two_kernel=10.5)))
+            for path, us in times.items()]
+    ratios = auto_over_best(rows)
+    assert ratios[("p", "w2", 16, 8)] == 1.1 and ratios[("p", "w2", 16, 32)] <= 1 + AUTO_SLACK
+    line = _auto_line(rows)
+    assert "within 3% of the fastest in 2 of 3 cells" in line and "largest loss is 10% (p w2 r=16 M=8)" in line

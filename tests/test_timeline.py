@@ -103,7 +103,8 @@ def test_stage_model_tiles_by_hand():
                 RANK_TILES=1)
     assert model["lora_w13"]["tiles"] == dict(lora, n_chunks=12) and model["lora_w13"]["kernel"] == "one_shot_kernel"
     assert model["lora_w2"]["tiles"] == dict(lora, n_chunks=32)
-    assert model["base_w2"]["tiles"] == dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)
+    assert model["base_w2"]["tiles"] == dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3,
+                                             W_TMA="auto")
     assert model["act"]["tiles"] == {} and model["sum"]["kernel"] == "topk_sum_kernel"
     # one token, 8 experts: x 2048*2 B, 8 experts' w13 8*2*768*2048*2 B, c1 8*1536*2 B
     assert model["base_w13"]["bytes"] == 2048 * 2 + 8 * 2 * 768 * 2048 * 2 + 8 * 1536 * 2

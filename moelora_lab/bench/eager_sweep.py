@@ -72,7 +72,7 @@ def _cases(shape, L, rank, M, seed, dtype, gen, weights):
     op = dict(x=x, topk_ids=ids, topk_weights=tw, token_lora=tl, lora_a=weights["w13_lora_a"],
               lora_b=weights["w13_lora_b"])
     path = resolve_path("auto", num_pairs=M * shape.top_k, num_experts=E, num_loras=L, rank=rank, add_inputs=True,
-                        token_rows=True)
+                        token_rows=True, n_out=shape.intermediate)
     cfg = choose_config(path, M * shape.top_k, min(M * shape.top_k, L * E), shape.intermediate, 2, x.device, rank=rank)
     blocks = block_list(ids, tl, E, L, cfg.block_m) if path != "small_batch" else None
     layer = dict(x=x, topk_ids=ids, topk_weights=tw, token_lora=tl, **weights)

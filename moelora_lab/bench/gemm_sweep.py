@@ -44,7 +44,7 @@ def add_parser(sub):
 
 def _tiles_for(per_expert: float, default: dict) -> list[dict]:
     block_ms = [default["BLOCK_M"]] + [m for m in (64, 128) if per_expert > 32 and m != default["BLOCK_M"]]
-    out = [dict(default)]
+    out = [{k: v for k, v in default.items() if k != "W_TMA"}]          # the W loads are chosen apart
     for bm in block_ms:
         for bn, bk, stages, warps in TILE_GRID:
             for group in ((1, 8) if bm >= 64 else (1,)):
@@ -86,7 +86,8 @@ def run(args) -> list[dict]:
                     out = torch.empty(P, w.shape[1], device=device(), dtype=dtype)
                     want = None
                     grid = [default] if args.rule_only else _tiles_for(P / E, default)
-                    for tiles in [dict(t, W_TMA=tma) for t in grid for tma in ((False, True) if args.w_tma else (False,))]:
+                    modes = (False, True) if args.w_tma else (default.get("W_TMA", False),)    # else as the rule does
+                    for tiles in [dict(t, W_TMA=tma) for t in grid for tma in modes]:
                         bm = tiles["BLOCK_M"]
                         if bm not in blocks:
                             blocks[bm] = make_blocks(ids, None, E, 1, bm)

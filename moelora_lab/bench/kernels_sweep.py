@@ -79,7 +79,7 @@ def run(args) -> list[dict]:
                 if path == "small_batch" and M > args.small_batch_max_tokens:
                     continue
                 real = resolve_path(path, num_pairs=M * k, num_experts=E, num_loras=L, rank=rank, add_inputs=True,
-                                    token_rows=op == "w13")
+                                    token_rows=op == "w13", n_out=n_out)
                 cfg = choose_config(real, M * k, groups, n_out, S, x.device, rank=rank).replace(**override)
                 blocks = None if not PATHS[real].uses_blocks else block_list(topk_ids, token_lora, E, L, cfg.block_m)
 

@@ -1,6 +1,7 @@
 """``python -m moelora_lab.bench layer``: the whole MoE layer with and without LoRA, and its timelines.
 
-Variants per (preset, M, rank), each timed as a CUDA-graph replay with L2 flushed (median, p20, p80):
+Variants per (preset, M, rank), each timed as a CUDA-graph replay with L2 flushed (median, p20, p80), all
+variants of a case in ``ROUNDS`` interleaved rounds with their replays pooled (``timing.time_cuda_interleaved``):
   no_lora                 the base layer alone (grouped GEMMs, activation, top-k sum)
   sequential / dual_stream                 LoRA with our folded join, one stream or two
   fused                   LoRA computed inside the base grouped GEMMs (when L*r fits)
@@ -39,6 +40,7 @@ from .common import base_weights, device, grouped_mm_fns, progress, seeded_gener
 NAME = "layer"
 VARIANTS = ("no_lora", "sequential", "dual_stream", "fused", "epilogue", "auto", "sequential_vllm_join",
             "dual_stream_vllm_join", "base_gemms", "grouped_mm", "plan", "no_lora_plan", "auto_plan")
+ROUNDS = 3              # interleaved timing rounds per case: a drift of the GPU during a case hits every variant
 NO_LORA = ("no_lora", "base_gemms", "grouped_mm", "plan", "no_lora_plan")
 # the schedule each LoRA-layer variant asks for (``schedule`` records what it really ran)
 SCHEDULE_OF = {"sequential": "sequential", "dual_stream": "dual_stream", "fused": "fused", "epilogue": "epilogue",
@@ -113,16 +115,15 @@ def run_layer(args) -> tuple[list[dict], dict]:
         work = count_workload(ids, tl, E, L)
         floors = {True: layer_traffic(shape, rank, work, lora_path=plan_l.lora_path)["floor"],
                   False: layer_traffic(shape, rank, work, with_lora=False)["floor"]}
-        for name in args.variants:
-            error = ""
-            if name in ("fused", "epilogue") and plan_f is None:
-                continue                       # L*r too wide for the in-GEMM LoRA: not a schedule here
-            try:
-                t = timing.time_cuda(fns[name])
+        names = [n for n in args.variants if n not in ("fused", "epilogue") or plan_f is not None]
+        timed = timing.time_cuda_interleaved({n: fns[n] for n in names}, rounds=ROUNDS)   # L*r too wide: no in-GEMM
+        for name in names:
+            error, t = "", timed[name]
+            if isinstance(t, timing.Timing):
                 med, p20, p80 = round(t.median_us, 2), round(t.p20_us, 2), round(t.p80_us, 2)
-            except Exception as exc:   # e.g. torch._grouped_mm missing on an older torch: record, go on
+            else:   # e.g. torch._grouped_mm missing on an older torch: record, go on
                 med = p20 = p80 = ""
-                error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+                error = f"{type(t).__name__}: {str(t).splitlines()[0][:120]}"
             floor = floors[name not in NO_LORA]
             asks = SCHEDULE_OF.get(name)
             path = {"fused": "in_gemm", "epilogue": "epilogue", "auto": plan_a.lora_path}.get(asks, plan_l.lora_path)

@@ -43,7 +43,7 @@ def run(args) -> list[dict]:
                                     dtype=dtype)
                     N, S, P = b[0].shape[2], len(a), M * k
                     out = torch.zeros(M, k, S * N, device=device(), dtype=dtype)
-                    path = choose_path(P, shape.num_experts, L, rank)
+                    path = choose_path(P, shape.num_experts, L, rank, N)
                     cfg = choose_config(path, P, min(P, L * shape.num_experts), N, S, x.device, rank=rank)
                     blocks = block_list(ids, tl, shape.num_experts, L, cfg.block_m)    # built once, not timed
                     want = None

@@ -92,7 +92,8 @@ register(
              hint="Read the map above: the two-kernel path wins where the rank is wide (64 and up) and the pairs "
                   "are moderate, from a single pair at the widest ranks. Past a few dozen pairs per expert the "
                   "fused kernel has programs enough and wins again. Two comparisons on case['rank'] and one on "
-                  "case['pairs'] / case['num_experts'] get you under the target."),
+                  "case['pairs'] / case['num_experts'] get you under the target; an output wider than 1024 "
+                  "columns (case['N']) below rank 128 tips more cases to two kernels, for a lower regret still."),
     Exercise("06.schedule", "06_capstone", "code", "a layer schedule per M, scored by regret",
              "choose_schedule", SCHEDULE_STUB, _grade_schedule,
              hint="Read each row of the table above, at both ranks: is one schedule never slower than the others? "

@@ -49,7 +49,7 @@ def path_cases(rows) -> list[dict]:
     cases = []
     for (preset, op, rank, M, loras), timed in sorted(groups.items()):
         shape = MoEShape.from_name(preset)
-        K, N, S = (shape.hidden, shape.intermediate, 2) if op == "w13" else (shape.intermediate, shape.hidden, 1)
+        K, N, S = shape.op_dims(op)
         features = dict(preset=preset, op=op, M=M, rank=rank, loras=loras, top_k=shape.top_k,
                         num_experts=shape.num_experts, pairs=M * shape.top_k, K=K, N=N, slices=S)
         cases.append(_case(features, timed))
@@ -90,7 +90,7 @@ def auto_path(features: Mapping) -> str:
 
     return resolve_path("auto", num_pairs=features["pairs"], num_experts=features["num_experts"],
                         num_loras=features["loras"], rank=features["rank"], add_inputs=True,
-                        token_rows=features["op"] == "w13")
+                        token_rows=features["op"] == "w13", n_out=features.get("N"))
 
 
 def auto_schedule(features: Mapping) -> str:

@@ -193,7 +193,7 @@ def path_choice_table(rows) -> list[dict]:
         if not {"one_shot", "two_kernel"} <= set(t):
             continue
         shape = MoEShape.from_name(preset)
-        auto = choose_path(M * shape.top_k, shape.num_experts, t["loras"], rank)
+        auto = choose_path(M * shape.top_k, shape.num_experts, t["loras"], rank, shape.op_dims(op)[1])
         out.append(dict(preset=preset, op=op, rank=rank, M=M, one_shot_us=t["one_shot"],
                         two_kernel_us=t["two_kernel"], auto=auto,
                         auto_over_best=t[auto] / min(t["one_shot"], t["two_kernel"])))

@@ -160,7 +160,7 @@ def auto_path(preset: str, op: str, M: int, rank: int, num_loras: int) -> str:
     shape = MoEShape.from_name(preset)
     return resolve_path("auto", num_pairs=check_int("M", M, low=1) * shape.top_k, num_experts=shape.num_experts,
                         num_loras=check_int("num_loras", num_loras, low=1), rank=check_int("rank", rank, low=1),
-                        add_inputs=True, token_rows=op == "w13")
+                        add_inputs=True, token_rows=op == "w13", n_out=shape.op_dims(op)[1])
 
 
 def draw_time_vs_rank(ax, rows, *, preset: str, op: str, M: int, paths=("one_shot", "two_kernel"),

@@ -2,7 +2,8 @@
 
 Method ("cold"): warm the op up, capture it in a CUDA graph, time graph replays with
 ``triton.testing.do_bench`` (it flushes L2 before every replay) and report the median with the
-20th/80th percentiles in microseconds. The numbers include the graph launch floor (a few µs).
+20th/80th percentiles in microseconds. Variants meant to be compared can be timed in interleaved
+rounds (:func:`time_cuda_interleaved`), so that a slow drift of the GPU lands on all of them. The numbers include the graph launch floor (a few µs).
 Timings need a CUDA GPU; on the CPU these functions raise instead of returning interpreter times.
 """
 from __future__ import annotations
@@ -26,26 +27,79 @@ def _need_gpu(what: str) -> None:
         raise RuntimeError(f"{what} needs a CUDA GPU; on the CPU the lab shows the committed H200 data instead")
 
 
+def _warm(fn) -> None:
+    """Three calls on a side stream: compile the kernels, settle the allocator."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
+
+def _replayable(fn):
+    """``fn`` captured in a CUDA graph: its replay (the graph lives as long as the returned callable)."""
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
 def time_cuda(fn, *, graph: bool = True, warmup_ms: float = 25, rep_ms: float = 100) -> Timing:
     """Median / p20 / p80 µs of ``fn()`` replayed from a CUDA graph with L2 flushed before each run."""
     _need_gpu("time_cuda")
     import triton.testing
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):        # warm-up compiles kernels and settles the allocator
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    run = fn
-    if graph:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        run = g.replay
+    _warm(fn)
+    run = _replayable(fn) if graph else fn
     q = triton.testing.do_bench(run, warmup=warmup_ms, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
     return Timing(*(v * 1e3 for v in q))
+
+
+def pooled(samples_ms) -> Timing:
+    """Median / p20 / p80 µs of replay times in ms (linear interpolation, as ``do_bench``'s quantiles)."""
+    if len(samples_ms) == 0:
+        raise ValueError("samples_ms: no replay times to summarise")
+    q = torch.tensor(list(samples_ms), dtype=torch.float64).quantile(torch.tensor([0.5, 0.2, 0.8], dtype=torch.float64))
+    return Timing(*(float(v) * 1e3 for v in q))
+
+
+def interleave(names, rounds: int, sample) -> dict:
+    """Run ``sample(name, round)`` (a list of replay times in ms) for every name in every round, the
+    names in turn within a round, and pool each name's times over the rounds: a drift of the GPU's
+    clock or temperature during a sweep then lands on every name alike. A name whose sample raises is
+    tried no more; its entry is the exception. Returns {name: Timing or Exception}."""
+    if rounds < 1:
+        raise ValueError(f"rounds: need at least 1, got {rounds}")
+    samples, failed = {n: [] for n in names}, {}
+    for rnd in range(rounds):
+        for n in names:
+            if n not in failed:
+                try:
+                    samples[n].extend(sample(n, rnd))
+                except Exception as exc:      # e.g. torch._grouped_mm missing: record it, time the others
+                    failed[n] = exc
+    return {n: failed[n] if n in failed else pooled(samples[n]) for n in names}
+
+
+def time_cuda_interleaved(fns: dict, *, rounds: int = 3, warmup_ms: float = 25, rep_ms: float = 100) -> dict:
+    """:func:`time_cuda` for several callables at once, in ``rounds`` interleaved rounds (each round a
+    fresh CUDA graph per callable and ``rep_ms / rounds`` of replays), the replays pooled per callable.
+    Returns {name: Timing, or the exception its warm-up, capture or replay raised}."""
+    _need_gpu("time_cuda_interleaved")
+    import triton.testing
+
+    def sample(name, rnd):
+        if rnd == 0:
+            _warm(fns[name])
+        run = _replayable(fns[name])
+        times = triton.testing.do_bench(run, warmup=warmup_ms, rep=rep_ms / rounds, return_mode="all")
+        if not isinstance(times, list):
+            raise RuntimeError("triton.testing.do_bench(return_mode='all') did not return the replay times")
+        return times
+
+    return interleave(list(fns), rounds, sample)
 
 
 def copy_bandwidth(num_bytes: int = 2 << 30) -> float:
