@@ -15,11 +15,8 @@ GEMMs (both launch the same kernels on the same buffers, so their results are bi
 delta buffer, no join; for L*r <= ``moe.MAX_FUSED_COLUMNS``); ``epilogue`` shrinks once per pair with
 the two-kernel path's shrink (T [S, P, r], the only LoRA bytes in HBM) and expands inside the base
 GEMMs' epilogue (one dot of K = L*r per output tile; same limit on L*r), so no N tile recomputes
-the shrink and no delta is written or read back; ``auto`` is dual-stream on a GPU
-while the experts get at most ``DUAL_STREAM_MAX_PAIRS_PER_EXPERT`` pairs each (the LoRA kernels are
-short and latency-bound next to long, bandwidth-bound base GEMMs), and sequential beyond (both are
-long and bandwidth-bound: a second stream only takes bandwidth away; H200 data in
-``data/h200/layer.csv``).
+the shrink and no delta is written or read back; ``auto`` is dual-stream on a GPU at
+every size (``gpu_schedule``; H200 data in ``data/h200/layer.csv``) and sequential on the CPU.
 
 The side stream has the highest priority the device offers (``side_priority="highest"``): the
 block scheduler then places the LoRA kernels' programs ahead of the base GEMM's waiting ones, so the
@@ -59,10 +56,6 @@ from .validate import (ANY_SLOT, check_choice, check_int, check_layer_inputs, ch
 
 SCHEDULES = ("sequential", "dual_stream", "fused", "epilogue", "auto")
 IN_GEMM = {"fused": "in_gemm", "epilogue": "epilogue"}      # schedules with the expand in the GEMMs: plan's lora_path
-# ``auto`` overlaps the LoRA stream up to this many pairs per expert (M <= 512 on qwen3-30b-a3b): on
-# the H200 two streams win clearly there, most at M = 1; past it both streams' kernels are long and
-# bandwidth-bound and the two schedules come within run-to-run noise (notebook 04 prints the data)
-DUAL_STREAM_MAX_PAIRS_PER_EXPERT = 32
 JOINS = ("fold", "vllm")
 def fused_fits(num_loras: int, rank: int) -> bool:
     """Whether the in-GEMM LoRA can run: the stacked shrink of all adapters fits in registers."""
@@ -95,11 +88,15 @@ def resolve_schedule(schedule: str, device: torch.device, *, num_pairs: int = 0,
 
 
 def gpu_schedule(num_pairs: int, num_experts: int) -> str:
-    """What ``schedule="auto"`` runs on a GPU (without LoRA inside the GEMMs): two streams while the
-    experts get at most ``DUAL_STREAM_MAX_PAIRS_PER_EXPERT`` pairs each, one beyond (usable on the
-    CPU, to read the data)."""
-    few = num_pairs <= DUAL_STREAM_MAX_PAIRS_PER_EXPERT * num_experts
-    return "dual_stream" if few else "sequential"
+    """What ``schedule="auto"`` runs on a GPU (without LoRA inside the GEMMs), for a layer of
+    ``num_pairs`` pairs over ``num_experts`` experts (usable on the CPU, to read the data). Two streams
+    at every size: on the H200, with every schedule of a case timed in interleaved rounds, they beat
+    one stream from M = 1 (most, the LoRA's short launches hide under the base GEMMs) to M = 8192
+    (least, both streams' kernels are long and share the memory bus)."""
+    if num_pairs < 0 or num_experts < 1:
+        raise ValueError(f"num_pairs / num_experts: need num_pairs >= 0 and num_experts >= 1, got {num_pairs}, "
+                         f"{num_experts}")
+    return "dual_stream"
 
 
 def plan_layer(topk_ids, token_lora, num_experts: int, num_loras: int | None, rank: int | None, *,

@@ -36,14 +36,15 @@ class StaleDataError(RuntimeError):
 def _rule_table() -> list:
     """What every tile and dispatch rule returns over a fixed grid of shapes (the input of the hash)."""
     from .dispatch import CONFIGS, choose_path, gpu_config
-    from .layer import DUAL_STREAM_MAX_PAIRS_PER_EXPERT
+    from .layer import gpu_schedule
     from .moe import MAX_FUSED_COLUMNS, gpu_gemm_tiles
     from .streams import SIDE_PRIORITIES
 
     pairs = [1, 2, 8, 16, 32, 64, 128, 512, 1024, 4096, 8192, 65536]
     ranks = [None, 8, 16, 32, 64, 128, 192, 256, 512]
     table: list = [sorted((name, repr(cfg)) for name, cfg in CONFIGS.items()),
-                   DUAL_STREAM_MAX_PAIRS_PER_EXPERT, MAX_FUSED_COLUMNS, SIDE_PRIORITIES[0]]
+                   MAX_FUSED_COLUMNS, SIDE_PRIORITIES[0]]
+    table.append([gpu_schedule(p, e) for p in pairs for e in (8, 64, 128)])
     for p in pairs:
         for groups in (1, 8, 64, 512):
             table.append([choose_path(p, groups, 4, r or 16, n_out) for r in ranks for n_out in (None, 768, 2048)])

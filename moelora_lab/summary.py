@@ -120,7 +120,9 @@ def _layer_section(layer) -> list[str]:
                        for v in ("fused", "epilogue"))
     auto = [t[16, m, "auto"]["us_median"] / t[16, m, "no_lora"]["us_median"] for m in ms]
     save = [1 - t[16, m, "sequential"]["us_median"] / t[16, m, "sequential_vllm_join"]["us_median"] for m in ms]
-    out += ["", f"`auto` runs two streams up to M = {max(dual)} here (the current rule) and one stream beyond.",
+    runs = (f"two streams at every M" if len(dual) == len(ms) else
+            f"two streams up to M = {max(dual)} and one stream beyond" if dual else "one stream at every M")
+    out += ["", f"`auto` runs {runs} here (the current rule).",
             f"`schedule=\"fused\"` (the LoRA inside the base GEMMs) costs {_span(fused, '{:.2f}', '×')} the no-LoRA "
             f"layer at r = 16, against {_span(auto, '{:.2f}', '×')} for `auto`"
             + (f"; `schedule=\"epilogue\"` (the shrink once per pair, the expand in the GEMMs' epilogue) "

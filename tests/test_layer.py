@@ -84,15 +84,16 @@ def test_epilogue_layer_with_actual_adapter_ranks_and_its_plan(device):
 
 
 def test_auto_schedule_and_fused_limits(device):
-    from moelora_lab.layer import DUAL_STREAM_MAX_PAIRS_PER_EXPERT, gpu_schedule, resolve_schedule
+    from moelora_lab.layer import gpu_schedule, resolve_schedule
     E = SHAPE.num_experts
     dev = torch.device(device)
-    few = DUAL_STREAM_MAX_PAIRS_PER_EXPERT * E
-    assert (gpu_schedule(few, E), gpu_schedule(few + 1, E)) == ("dual_stream", "sequential")   # on any machine
-    for pairs in (1, few):
-        assert resolve_schedule("auto", dev, num_pairs=pairs, num_experts=E) == ("dual_stream" if device == "cuda"
-                                                                                 else "sequential")
-    assert resolve_schedule("auto", dev, num_pairs=few + 1, num_experts=E, fits=True) == "sequential"
+    assert {gpu_schedule(p, E) for p in (0, 1, 32 * E, 512 * E)} == {"dual_stream"}          # on any machine
+    with pytest.raises(ValueError, match="num_experts"):
+        gpu_schedule(8, 0)
+    for pairs in (1, 512 * E):
+        for fits in (False, True):
+            assert resolve_schedule("auto", dev, num_pairs=pairs, num_experts=E, fits=fits) == (
+                "dual_stream" if device == "cuda" else "sequential")
     assert resolve_schedule("fused", dev, fits=True) == "fused"
     p = problem(device, rank=48, seed=11)              # 3 adapters x rank 48: 256 stacked columns
     with pytest.raises(ValueError, match="schedule='fused': the in-GEMM LoRA needs L\\*r <= 128"):

@@ -98,7 +98,7 @@ def test_auto_rules_follow_the_library():
         f = c["features"]
         assert auto_path(f) == choose_path(f["pairs"], f["num_experts"], f["loras"], f["rank"], f["N"])
     assert [auto_schedule(c["features"]) for c in schedule_cases(LAYER_ROWS)] == \
-        [gpu_schedule(8, 128), gpu_schedule(2048 * 8, 128)] == ["dual_stream", "sequential"]
+        [gpu_schedule(8, 128), gpu_schedule(2048 * 8, 128)] == ["dual_stream", "dual_stream"]
 
 
 def test_draw_regret_draws_a_row_per_rule_and_the_targets():
