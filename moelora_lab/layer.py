@@ -14,7 +14,7 @@ GEMMs (both launch the same kernels on the same buffers, so their results are bi
 ``fused`` computes the LoRA inside the base grouped GEMMs (``kernels/base_moe``: no LoRA launch, no
 delta buffer, no join; for L*r <= ``moe.MAX_FUSED_COLUMNS``); ``epilogue`` shrinks once per pair with
 the two-kernel path's shrink (T [S, P, r], the only LoRA bytes in HBM) and expands inside the base
-GEMMs' epilogue (one dot of K = L*r per output tile; same limit on L*r), so no N tile recomputes
+GEMMs, before their K loop (one dot of K = L*r per output tile; same limit on L*r), so no N tile recomputes
 the shrink and no delta is written or read back; ``auto`` is dual-stream on a GPU at
 every size (``gpu_schedule``; H200 data in ``data/h200/layer.csv``) and sequential on the CPU.
 

@@ -125,7 +125,7 @@ def _layer_section(layer) -> list[str]:
     out += ["", f"`auto` runs {runs} here (the current rule).",
             f"`schedule=\"fused\"` (the LoRA inside the base GEMMs) costs {_span(fused, '{:.2f}', '×')} the no-LoRA "
             f"layer at r = 16, against {_span(auto, '{:.2f}', '×')} for `auto`"
-            + (f"; `schedule=\"epilogue\"` (the shrink once per pair, the expand in the GEMMs' epilogue) "
+            + (f"; `schedule=\"epilogue\"` (the shrink once per pair, the expand inside the GEMMs) "
                f"{_span(epilogue, '{:.2f}', '×')}." if epilogue else "."),
             f"On one stream our folded join takes {_span(save, '{:.0%}')} off the layer with vLLM's "
             "zero-fill-and-add join (r = 16, every M)."]

@@ -82,7 +82,7 @@ def main():
          dict(gemm_c, BLOCK_M=64, GROUP_M=8, BLOCK_LR=16, HAS_LORA=False, HAS_RANKS=False)),
         ("moe_gemm in-GEMM LoRA", base_moe.moe_gemm_kernel, gemm,
          dict(gemm_c, BLOCK_M=16, GROUP_M=1, BLOCK_LR=64, HAS_LORA=True, HAS_RANKS=True)),
-        ("moe_gemm LoRA expand in the epilogue", base_moe.moe_gemm_kernel, gemm,
+        ("moe_gemm LoRA expand before the K loop (epilogue schedule)", base_moe.moe_gemm_kernel, gemm,
          dict(gemm_c, BLOCK_M=64, GROUP_M=8, BLOCK_LR=64, HAS_LORA=True, HAS_RANKS=True, T_IN=True)),
         ("silu_and_mul", base_moe.silu_and_mul_kernel, dict(ptrs("c1_ptr", "delta_ptr", "h_ptr"), token_lora_ptr=i32),
          dict(BLOCK=1024, HAS_DELTA=True)),
