@@ -24,7 +24,11 @@ def cpu_bench(monkeypatch):
 
     monkeypatch.setattr(common, "DEVICE", "cpu")
     monkeypatch.setattr(timing, "time_cuda", fake_time)
-    monkeypatch.setattr(timing, "time_cuda_interleaved", lambda fns, **kw: {n: fake_time(f) for n, f in fns.items()})
+    def fake_interleaved(fns, **kw):        # records each case's names: the layer sweep times them together
+        calls.append(tuple(fns))
+        return {n: fake_time(f) for n, f in fns.items()}
+
+    monkeypatch.setattr(timing, "time_cuda_interleaved", fake_interleaved)
     monkeypatch.setattr(timing, "copy_bandwidth", lambda *a, **k: 4.0e12)
     monkeypatch.setattr(timing, "matmul_rate", lambda *a, **k: 7.0e14)
     return calls
@@ -48,6 +52,8 @@ def test_layer_pipeline(cpu_bench, tmp_path):
         assert cli.main(["layer", "--presets", "tiny", "--tokens", "3", "--ranks", "8", "--dtype", "float32",
                            "--trace-tokens", "3", "--trace-ranks", "8", "--trace-events", "--out", str(tmp_path)]) == 0
     rows = read_csv(tmp_path / "layer.csv")
+    together = [c for c in cpu_bench if isinstance(c, tuple)]
+    assert len(together) == 1 and set(together[0]) == {r["variant"] for r in rows}   # one case: all variants at once
     timed = {r["variant"] for r in rows if r["us_median"] != ""}
     assert {"no_lora", "sequential", "dual_stream", "fused", "auto", "sequential_vllm_join",
             "dual_stream_vllm_join", "base_gemms", "plan"} <= timed
