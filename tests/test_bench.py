@@ -40,6 +40,8 @@ def test_kernels_and_align_pipeline(cpu_bench, tmp_path):
     rows = read_csv(tmp_path / "kernels.csv")
     assert {r["path"] for r in rows} == {"two_kernel", "one_shot", "small_batch", "auto", "align"}
     assert len(rows) == 2 * 2 * 5 and all(r["us_median"] == 10.0 for r in rows)
+    together = [c for c in cpu_bench if isinstance(c, tuple)]
+    assert len(together) == 2 * 2 and all(len(c) == 4 for c in together)   # per (op, M): the four paths at once
     one = [r for r in rows if r["path"] == "one_shot"][0]
     assert one["bytes"] > 0 and one["achieved_tbps"] > 0 and one["command"].startswith("python -m moelora_lab.bench")
     assert (tmp_path / "kernels_tiny.png").exists() and (tmp_path / "kernels_roofline.png").exists()

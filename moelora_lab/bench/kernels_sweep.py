@@ -1,7 +1,7 @@
 """``python -m moelora_lab.bench kernels``: the LoRA op's paths x presets x {w13, w2} x M x rank.
 
 Each op is timed the way ``profile.timing`` describes (CUDA graph, L2 flushed, median and 20/80
-percentiles) and written to a CSV with provenance, plus plots drawn from that CSV. Achieved
+percentiles; the paths of a case in interleaved rounds, so a drift of the GPU lands on all of them) and written to a CSV with provenance, plus plots drawn from that CSV. Achieved
 bandwidth is the byte model's minimum bytes for the path over the time, next to a copy ceiling
 measured in the same run. ``--tune`` times a grid of one-shot / two-kernel tiles per case instead
 of the default configs; ``--time-alignment`` also times the routing metadata.
@@ -25,6 +25,7 @@ from ..routing import block_list
 from .common import device, progress, seeded_generator, sweep_parser, sweep_routing
 
 NAME = "kernels"
+ROUNDS = 3              # the paths of a case are timed in interleaved rounds (``timing.time_cuda_interleaved``)
 
 
 def add_parser(sub):
@@ -75,6 +76,7 @@ def run(args) -> list[dict]:
             work = count_workload(topk_ids, token_lora, E, L)
             groups = min(M * k, work.touched_adapter_experts or 1)
             case = dict(preset=shape.name, op=op)
+            runs = []                                   # (path, the op it runs, its config, the call)
             for path, override in _variants(args):
                 if path == "small_batch" and M > args.small_batch_max_tokens:
                     continue
@@ -82,12 +84,14 @@ def run(args) -> list[dict]:
                                     token_rows=op == "w13", n_out=n_out)
                 cfg = choose_config(real, M * k, groups, n_out, S, x.device, rank=rank).replace(**override)
                 blocks = None if not PATHS[real].uses_blocks else block_list(topk_ids, token_lora, E, L, cfg.block_m)
-
-                def fn():
-                    moe_lora(x, topk_ids, topk_w, token_lora, lora_a, lora_b, path=real, mul_routed_weight=op == "w2",
-                             output=out, add_inputs=True, blocks=blocks, config=cfg)
-
-                t = timing.time_cuda(fn)
+                runs.append((path, real, cfg, lambda real=real, cfg=cfg, blocks=blocks: moe_lora(
+                    x, topk_ids, topk_w, token_lora, lora_a, lora_b, path=real, mul_routed_weight=op == "w2",
+                    output=out, add_inputs=True, blocks=blocks, config=cfg)))
+            timed = timing.time_cuda_interleaved({i: run[3] for i, run in enumerate(runs)}, rounds=ROUNDS)
+            for i, (path, real, cfg, _) in enumerate(runs):
+                t = timed[i]
+                if not isinstance(t, timing.Timing):
+                    raise t                             # a path that cannot run here is a bug, not a data point
                 traffic = lora_op_traffic(real, work, in_features=k_in, out_features=n_out, num_slices=S,
                                           rank=rank, x_rows="token" if op == "w13" else "pair",
                                           dtype_bytes=x.element_size(), add_inputs=True)

@@ -94,7 +94,8 @@ def time_cuda_interleaved(fns: dict, *, rounds: int = 3, warmup_ms: float = 25, 
         if rnd == 0:
             _warm(fns[name])
         run = _replayable(fns[name])
-        times = triton.testing.do_bench(run, warmup=warmup_ms, rep=rep_ms / rounds, return_mode="all")
+        warmup = warmup_ms if rnd == 0 else max(1.0, warmup_ms / 5)     # warm already after the first round
+        times = triton.testing.do_bench(run, warmup=warmup, rep=rep_ms / rounds, return_mode="all")
         if not isinstance(times, list):
             raise RuntimeError("triton.testing.do_bench(return_mode='all') did not return the replay times")
         return times
