@@ -117,28 +117,35 @@ def moe_gemm(x: torch.Tensor, w: torch.Tensor, blocks: BlockList, out: torch.Ten
     return out
 
 
+def _tma_refusal(w: torch.Tensor) -> str | None:
+    """Why W tiles cannot come by TMA bulk copies (None: they can): the GPU needs a tensor memory
+    accelerator (compute capability 9.0 or later; the interpreter emulates one), and w must be
+    contiguous with 16-byte aligned rows."""
+    if not INTERPRET and (w.device.type != "cuda" or torch.cuda.get_device_capability(w.device)[0] < 9):
+        return ("tiles: W_TMA=True needs a GPU with a tensor memory accelerator (compute capability 9.0 "
+                "or later); leave W_TMA out elsewhere")
+    K = w.shape[2]
+    if not w.is_contiguous() or (K * w.element_size()) % 16 or w.data_ptr() % 16:
+        return (f"w: W_TMA=True needs a contiguous weight with 16-byte aligned rows (K = {K} of "
+                f"{w.dtype}); call w.contiguous() or leave W_TMA out")
+    return None
+
+
 def _tma_fits(w: torch.Tensor) -> bool:
-    """Whether the rule loads W tiles by TMA: a GPU of compute capability 9.0 or later, a 16-bit w (fp32
-    tiles of the rule's size overflow shared memory with the bulk copies' buffers; they were never measured
-    faster), contiguous, with 16-byte aligned rows."""
-    if INTERPRET or w.device.type != "cuda" or w.element_size() != 2:
-        return False
-    if torch.cuda.get_device_capability(w.device)[0] < 9:
-        return False
-    return w.is_contiguous() and (w.shape[2] * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
+    """Whether the rule loads W tiles by TMA: on a GPU (not the interpreter) that allows it, for a 16-bit
+    w (fp32 tiles of the rule's size overflow shared memory with the bulk copies' buffers; they were
+    never measured faster)."""
+    return not INTERPRET and w.element_size() == 2 and _tma_refusal(w) is None
 
 
 def _w_descriptor(w: torch.Tensor, block_n: int, block_k: int):
     """A host TMA descriptor of w viewed [E*N, K] with a [BLOCK_N, BLOCK_K] box."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
+    refusal = _tma_refusal(w)
+    if refusal is not None:
+        raise ValueError(refusal)
     E, N, K = w.shape
-    if not INTERPRET and (w.device.type != "cuda" or torch.cuda.get_device_capability(w.device)[0] < 9):
-        raise ValueError("tiles: W_TMA=True needs a GPU with a tensor memory accelerator (compute capability 9.0 "
-                         "or later); leave W_TMA out elsewhere")
-    if not w.is_contiguous() or (K * w.element_size()) % 16 or w.data_ptr() % 16:
-        raise ValueError(f"w: W_TMA=True needs a contiguous weight with 16-byte aligned rows (K = {K} of "
-                         f"{w.dtype}); call w.contiguous() or leave W_TMA out")
     return TensorDescriptor.from_tensor(w.view(E * N, K), [block_n, block_k])
 
 
