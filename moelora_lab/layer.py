@@ -91,8 +91,9 @@ def gpu_schedule(num_pairs: int, num_experts: int) -> str:
     """What ``schedule="auto"`` runs on a GPU (without LoRA inside the GEMMs), for a layer of
     ``num_pairs`` pairs over ``num_experts`` experts (usable on the CPU, to read the data). Two streams
     at every size: on the H200, with every schedule of a case timed in interleaved rounds, they beat
-    one stream from M = 1 (most, the LoRA's short launches hide under the base GEMMs) to M = 8192
-    (least, both streams' kernels are long and share the memory bus)."""
+    one stream most at M = 1 (the LoRA's short launches hide under the base GEMMs) and least at the
+    largest M (both streams' kernels are long and share the memory bus), where the two are level
+    within what one schedule timed twice differs."""
     if num_pairs < 0 or num_experts < 1:
         raise ValueError(f"num_pairs / num_experts: need num_pairs >= 0 and num_experts >= 1, got {num_pairs}, "
                          f"{num_experts}")
