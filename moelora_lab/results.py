@@ -10,7 +10,9 @@ Every row a benchmark writes carries its provenance (``gpu``, ``torch``, ``trito
 * ``code``: the commit the data was measured with (:func:`code_version`).
 
 :func:`load` refuses a file whose schema or config differs from the code's, naming the file and
-the command that regenerates the whole set (:data:`REGENERATE`).
+the command that regenerates the whole set (:data:`REGENERATE`). A set remeasured less often than
+the rules change (the two-GPU set) may be loaded with ``accept_older_rules=True`` and shown with the
+label :func:`older_rules` gives it.
 
 Shape legend: M tokens, E experts, k top-k, L adapters, r rank, K in, N out, S slices.
 """
@@ -123,12 +125,31 @@ def check_current(rows: list[dict], source) -> list[dict]:
     return rows
 
 
-def load(name: str, data_dir=DATA_DIR) -> list[dict]:
-    """The committed rows of ``<data_dir>/<name>.csv``, checked to fit the current code."""
+def older_rules(rows: list[dict]) -> str | None:
+    """None if ``rows`` were measured under this checkout's rules (config), else a sentence saying
+    under which they were (for a set shown with that label instead of refused)."""
+    found = sorted({str(r.get("config", "none")) for r in rows})
+    if found == [config_fingerprint()]:
+        return None
+    codes = sorted({str(r.get("code", "?")) for r in rows})
+    return (f"measured under older tile and schedule rules (config {', '.join(found)}, code {', '.join(codes)}) than "
+            f"this checkout's (config {config_fingerprint()}): a stage whose kernels or schedule a rule picks may run "
+            "differently now")
+
+
+def load(name: str, data_dir=DATA_DIR, *, accept_older_rules: bool = False) -> list[dict]:
+    """The committed rows of ``<data_dir>/<name>.csv``, checked to fit the current code.
+
+    ``accept_older_rules=True`` still refuses another schema (the columns' meaning), but returns rows
+    measured under other rules; the caller must then say so (:func:`older_rules`). Meant for a set
+    that is remeasured less often than the rules change (the two-GPU set)."""
     path = Path(data_dir) / f"{name}.csv"
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing; regenerate the data on a CUDA GPU with `{REGENERATE}`")
-    return check_current(read_csv(path), path.name)
+    rows = read_csv(path)
+    if accept_older_rules and rows and {r.get("schema", "none") for r in rows} == {DATA_SCHEMA}:
+        return rows
+    return check_current(rows, path.name)
 
 
 def load_traces(name: str = "layer_traces", data_dir=DATA_DIR) -> dict:
