@@ -15,7 +15,7 @@ os.environ["MOELORA_INTERPRET"] = "0"
 import triton  # noqa: E402  (after the switch: moelora_lab is imported below, kernels after it)
 
 import moelora_lab  # noqa: E402,F401
-from moelora_lab.kernels import align, base_moe, combine, one_shot, small_batch, two_kernel  # noqa: E402
+from moelora_lab.kernels import align, base_moe, combine, in_k, one_shot, small_batch, two_kernel  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
@@ -88,6 +88,12 @@ def main():
          dict(BLOCK=1024, HAS_DELTA=True)),
         ("topk_sum", base_moe.topk_sum_kernel, dict(ptrs("c3_ptr", "delta_ptr", "y_ptr"), token_lora_ptr=i32),
          dict(BLOCK=1024, HAS_DELTA=True)),
+        ("in_k.act_tail", in_k.act_tail_kernel, dict(ptrs("c1_ptr", "delta_ptr", "h_ptr"), token_lora_ptr=i32),
+         dict(BLOCK=1024, HAS_DELTA=True)),
+        ("in_k.shrink_tail", in_k.shrink_tail_kernel, dict(ptrs("h_ptr", "a_ptr", "tail_ptr"), sorted_pairs_ptr=i32,
+                                                           block_lora_ptr=i32, block_expert_ptr=i32,
+                                                           lora_ranks_ptr=i32),
+         dict(BLOCK_M=16, BLOCK_K=128, BLOCK_R=64, DOT_PRECISION="tf32", HAS_RANKS=True)),
         ("combine.gather_sum", combine.gather_sum_kernel, dict(ptrs("rows_ptr", "y_ptr"), pos_ptr="*i64"),
          dict(BLOCK=1024)),
     ]

@@ -134,6 +134,17 @@ def test_b_layout_pipeline(cpu_bench, tmp_path):
                                                        for lay in ("r_fastest", "n_fastest")}
 
 
+def test_in_k_pipeline(cpu_bench, tmp_path):
+    """bench in_k: w2's LoRA in K checked against two streams, then timed with the others of its case."""
+    from moelora_lab.bench import in_k_sweep
+    with pytest.warns(RuntimeWarning, match="on the CPU the layer runs sequentially"):   # the dual_stream rows
+        assert cli.main(["in_k", "--presets", "tiny", "--tokens", "3", "--ranks", "4", "--dtype", "float32",
+                           "--out", str(tmp_path)]) == 0
+    rows = read_csv(tmp_path / "layer_in_k.csv")
+    assert [r["variant"] for r in rows] == list(in_k_sweep.VARIANTS)
+    assert [c for c in cpu_bench if isinstance(c, tuple)] == [tuple(in_k_sweep.VARIANTS)]
+
+
 def test_eager_pipeline(cpu_bench, tmp_path, monkeypatch):
     """bench eager: every way of calling the op and the layer runs (GPU clock and sync counter stubbed)."""
     monkeypatch.setattr(eager_sweep, "eager_us", lambda fn, calls: [fn(), 99.0][1])
@@ -156,7 +167,7 @@ def test_recorded_command_leaves_out_the_output_folder(cpu_bench, tmp_path):
 def test_every_subcommand_parses_its_defaults():
     from moelora_lab.bench import layer_sweep
     assert list(cli.SUBCOMMANDS) == ["kernels", "registers", "layer", "align", "gemm", "eager", "tune", "layout",
-                                    "profiler"]
+                                    "profiler", "in_k"]
     for what, module in cli.SUBCOMMANDS.items():
         args = cli.parse_args([what])
         assert args.what == module.NAME == what and args.command == f"python -m moelora_lab.bench {what}"
