@@ -6,9 +6,10 @@ P = M*k pairs.
 ``pack_w2_in_k`` stores, once per set of adapters, w2_ext [E, H, I + L*r] = [w2 | B2 of slot 0 | ... |
 B2 of slot L-1]. The layer then runs w13 as the two-stream layer does (base GEMM on the main stream,
 w13's LoRA on the side stream, joined before the activation); the activation writes h into the first
-I columns of h_ext [P, I + L*r] and zeros into the rest; the w2 shrink writes each pair's T2 = A2 h
-into its adapter's r columns; and the w2 GEMM is the plain grouped GEMM over h_ext and w2_ext, which
-adds T2 B2^T to each pair's output inside its pipelined K loop (``kernels/in_k.py``).
+I columns of h_ext [P, I + L*r]; the w2 shrink writes each pair's T2 = A2 h into its adapter's r
+columns of the rest and zeros into every other column (one launch, ``kernels/in_k.py``); and the w2
+GEMM is the plain grouped GEMM over h_ext and w2_ext, which adds T2 B2^T to each pair's output
+inside its pipelined K loop.
 
 What it trades: w2's LoRA delta [P, H] is never written or read back and no LoRA kernel runs beside
 the w2 GEMM; in exchange the GEMM's K grows by L*r (every pair multiplies through every slot's
@@ -23,14 +24,14 @@ import triton
 from ._backend import INTERPRET, on_device
 from .blocks import LayerPlan
 from .dispatch import choose_config
-from .kernels.in_k import act_tail_kernel, shrink_tail_kernel
-from .moe import gemm_tiles, moe_gemm, topk_sum
+from .kernels.in_k import shrink_tail_kernel
+from .moe import gemm_tiles, moe_gemm, silu_and_mul, topk_sum
 from .ops import run_lora
 from .paths import _precision
 from .streams import Streams
 from .validate import check_layer_inputs, check_lora_ranks, check_plan, check_values, routing_ranges
 
-ACT_BLOCK = 1024
+FILL_ROWS = 32        # pairs per zero-filling program of the shrink launch
 
 
 def pack_w2_in_k(w2: torch.Tensor, w2_lora_b) -> torch.Tensor:
@@ -116,11 +117,9 @@ def w2_in_k_layer(x, topk_ids, topk_weights, token_lora, w13, w2_ext, w13_lora_a
                      plan.lora_path, mul_routed_weight=False, add_inputs=False, lora_ranks=lora_ranks)
         streams.join()
         with streams.stage("act", "main"):
-            act_tail_kernel[(P, triton.cdiv(width, ACT_BLOCK))](
-                c1, d13, token_lora32, h_ext, k, I, width, c1.stride(0), 2 * I, h_ext.stride(0), BLOCK=ACT_BLOCK,
-                HAS_DELTA=True)
+            silu_and_mul(c1, h_ext[:, :I], top_k=k, delta=d13.view(P, 2 * I), token_lora=token_lora32)
         with streams.stage("shrink_w2", "main"):
-            _shrink_tail(h_ext, w2_lora_a[0], plan, P, H, I, r, lora_ranks)
+            _shrink_tail(h_ext, w2_lora_a[0], plan, token_lora32, k, H, I, r, lora_ranks)
         with streams.stage("w2+lora", "main"):
             moe_gemm(h_ext, w2_ext, plan.base_blocks, c3, top_k=k, topk_weights=weights, tiles=tiles)
         with streams.stage("sum", "main"):
@@ -128,14 +127,18 @@ def w2_in_k_layer(x, topk_ids, topk_weights, token_lora, w13, w2_ext, w13_lora_a
     return y
 
 
-def _shrink_tail(h_ext, a2, plan, P: int, H: int, I: int, r: int, lora_ranks) -> None:
-    """T2 of every pair with an adapter into its slot's columns of h_ext's tail."""
+def _shrink_tail(h_ext, a2, plan, token_lora, top_k: int, H: int, I: int, r: int, lora_ranks) -> None:
+    """h_ext's whole tail in one launch: T2 of every pair with an adapter in its slot's columns, zeros
+    in every other column."""
     blocks = plan.lora_blocks
     L, E = a2.shape[0], a2.shape[1]
+    P = h_ext.shape[0]
     cfg = choose_config("two_kernel", P, min(P, L * E), H, 1, h_ext.device, rank=r)     # the w2 op's shrink tiles
     block_r, rank_tiles = cfg.rank_tiling(r)
-    shrink_tail_kernel[(blocks.num_blocks, rank_tiles)](
-        h_ext, a2, h_ext[:, I:], *blocks.tensors, blocks.block_lora if lora_ranks is None else lora_ranks,
-        P, I, r, h_ext.stride(0), *a2.stride(), h_ext.stride(0),
-        BLOCK_M=blocks.block_size, BLOCK_K=cfg.block_k, BLOCK_R=block_r, DOT_PRECISION=_precision(h_ext),
-        HAS_RANKS=lora_ranks is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    fill = triton.cdiv(P, FILL_ROWS)
+    shrink_tail_kernel[(blocks.num_blocks + fill, rank_tiles)](
+        h_ext, a2, h_ext[:, I:], *blocks.tensors, token_lora, blocks.block_lora if lora_ranks is None else lora_ranks,
+        P, blocks.num_blocks, top_k, I, r, L * r, h_ext.stride(0), *a2.stride(), h_ext.stride(0),
+        BLOCK_M=blocks.block_size, BLOCK_K=cfg.block_k, BLOCK_R=block_r, BLOCK_LR=triton.next_power_of_2(L * r),
+        FILL_ROWS=FILL_ROWS, DOT_PRECISION=_precision(h_ext), HAS_RANKS=lora_ranks is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -3,10 +3,8 @@ import pytest
 import torch
 
 import moelora_lab as ml
-import triton
-from moelora_lab.kernels.in_k import act_tail_kernel
 from moelora_lab.layer import plan_layer
-from moelora_lab.layer_in_k import pack_w2_in_k, w2_in_k_layer
+from moelora_lab.layer_in_k import _shrink_tail, pack_w2_in_k, w2_in_k_layer
 from utils import assert_close, poisoned
 
 SHAPE = ml.MoEShape(48, 40, 6, 2, "in-k-test")        # I = 40: not a multiple of the blocks
@@ -58,17 +56,26 @@ def test_pack_places_every_slot_after_w2(device):
         assert torch.equal(ext[:, :, I + slot * r:I + (slot + 1) * r], b[slot])
 
 
-def test_activation_writes_h_and_a_zero_tail(device):
-    """Every element of h_ext is written (poisoned first): h where the activation is, zeros after it."""
-    P, I, W = 7, 40, 64
-    c1 = torch.randn(P, 2 * I, device=device)
-    h_ext = poisoned((P, W), torch.float32, device)
-    token_lora = torch.zeros(P, dtype=torch.int32, device=device)
-    act_tail_kernel[(P, triton.cdiv(W, 32))](c1, c1, token_lora, h_ext, 1, I, W, c1.stride(0), 0, W, BLOCK=32,
-                                             HAS_DELTA=False)
-    gate, up = c1[:, :I], c1[:, I:]
-    assert_close(h_ext[:, :I], torch.nn.functional.silu(gate) * up, torch.float32)
-    assert torch.equal(h_ext[:, I:], torch.zeros(P, W - I, device=device))
+def test_one_launch_writes_the_whole_tail(device):
+    """Every tail element is written (poisoned first): each pair's shrink in its slot's first r_l
+    columns, zeros everywhere else (the other slots, ranks past r_l, pairs without an adapter)."""
+    p = problem(device, rank=8, seed=5, adapter_ranks=(3, 8, 5), no_adapter_fraction=0.3)
+    M, k = p.topk_ids.shape
+    I, L, r = SHAPE.intermediate, 3, 8
+    plan = plan_layer(p.topk_ids, p.token_lora, SHAPE.num_experts, L, r, schedule="sequential")
+    h = torch.randn(M * k, I, device=device)
+    h_ext = torch.cat([h, poisoned((M * k, L * r), torch.float32, device)], dim=1)
+    ranks = torch.tensor(p.adapter_ranks, device=device, dtype=torch.int32)
+    _shrink_tail(h_ext, p.w2_lora_a[0], plan, p.token_lora.to(torch.int32), k, SHAPE.hidden, I, r, ranks)
+    want = torch.zeros(M * k, L * r, device=device)
+    slot = p.token_lora.repeat_interleave(k)
+    expert = p.topk_ids.reshape(-1)
+    for pair in range(M * k):
+        if slot[pair] >= 0:
+            s, rl = int(slot[pair]), p.adapter_ranks[int(slot[pair])]
+            want[pair, s * r:s * r + rl] = p.w2_lora_a[0][s, expert[pair], :rl] @ h[pair]
+    assert torch.equal(h_ext[:, :I], h)
+    assert_close(h_ext[:, I:], want, torch.float32)
 
 
 def test_bad_inputs_name_the_argument(device):

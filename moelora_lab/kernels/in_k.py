@@ -9,8 +9,11 @@ elsewhere, and w2_ext = [w2 | B2 of every adapter] (packed once). Then h_ext @ w
 output plus the pair's own LoRA: the LoRA rides the GEMM's pipelined K loop as a few more K steps,
 with no delta buffer, no join and no kernel change to the GEMM.
 
-``act_tail_kernel`` writes h and the zero tail in one pass (the activation reads c1 anyway);
-``shrink_tail_kernel`` then writes each pair's shrink into its adapter's columns of the tail.
+The activation (``base_moe.silu_and_mul_kernel``) writes h into the first I columns of h_ext;
+``shrink_tail_kernel`` writes the whole tail in one launch: each pair's shrink into its adapter's
+columns (one program per block of pairs of one adapter and expert, as the two-kernel path's shrink),
+zeros everywhere else (fill programs over all pairs, which skip exactly the columns a block program
+writes, so no element is written twice).
 """
 import triton
 import triton.language as tl
@@ -19,44 +22,44 @@ from .common import block_rows, rank_tile, slot_rank
 
 
 @triton.jit
-def act_tail_kernel(
-    c1_ptr,            # [P, 2I] base gate | up, x's dtype
-    delta_ptr,         # [P, 2I] w13's LoRA delta, written only for pairs with an adapter (read if HAS_DELTA)
-    token_lora_ptr,    # [M] int32, -1 = no adapter
-    h_ptr,             # [P, W] out: h in columns [0, I), zeros in [I, W); x's dtype
-    top_k, I, W, stride_c, stride_d, stride_h,
-    BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr,
-):
-    """Program (pair, column tile): h_ext[p, :I] = silu(gate + dg) * (up + du); h_ext[p, I:W] = 0."""
-    pair = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < I
-    row = c1_ptr + pair.to(tl.int64) * stride_c
-    gate = tl.load(row + cols, mask=ok, other=0.0).to(tl.float32)
-    up = tl.load(row + I + cols, mask=ok, other=0.0).to(tl.float32)
-    if HAS_DELTA:
-        has = tl.load(token_lora_ptr + pair // top_k) >= 0
-        drow = delta_ptr + pair.to(tl.int64) * stride_d
-        gate += tl.load(drow + cols, mask=ok & has, other=0.0).to(tl.float32)
-        up += tl.load(drow + I + cols, mask=ok & has, other=0.0).to(tl.float32)
-    h = tl.where(ok, gate / (1.0 + tl.exp(-gate)) * up, 0.0)
-    tl.store(h_ptr + pair.to(tl.int64) * stride_h + cols, h.to(h_ptr.dtype.element_ty), mask=cols < W)
+def _fill(tail_ptr, token_lora_ptr, lora_ranks_ptr, f, num_pairs, top_k, R, LR, stride_tm,
+          BLOCK_LR: tl.constexpr, FILL_ROWS: tl.constexpr, HAS_RANKS: tl.constexpr):
+    """Zeros into the tail of pairs f*FILL_ROWS.., except the columns of their own adapter's ranks."""
+    pairs = f * FILL_ROWS + tl.arange(0, FILL_ROWS)
+    ok = pairs < num_pairs
+    lora = tl.load(token_lora_ptr + pairs // top_k, mask=ok, other=-1).to(tl.int32)            # [FR]
+    r_lim = tl.zeros_like(lora) + R
+    if HAS_RANKS:
+        r_lim = tl.minimum(tl.load(lora_ranks_ptr + lora, mask=lora >= 0, other=0), R)
+    cols = tl.arange(0, BLOCK_LR)
+    first = lora * R
+    own = (lora[:, None] >= 0) & (cols[None, :] >= first[:, None]) & (cols[None, :] < (first + r_lim)[:, None])
+    zero = tl.zeros((FILL_ROWS, BLOCK_LR), dtype=tail_ptr.dtype.element_ty)
+    tl.store(tail_ptr + pairs.to(tl.int64)[:, None] * stride_tm + cols[None, :], zero,
+             mask=ok[:, None] & (cols < LR)[None, :] & ~own)
 
 
 @triton.jit
 def shrink_tail_kernel(
     h_ptr,             # [P, >= I] activations (the first I columns of h_ext), x's dtype
     a_ptr,             # LoRA A of w2: [L, E, r, I], x's dtype
-    tail_ptr,          # [P, L*r] view of h_ext's tail (row stride stride_tm), zeros where not written
+    tail_ptr,          # [P, L*r] view of h_ext's tail (row stride stride_tm), x's dtype; every element written
     sorted_pairs_ptr, block_lora_ptr, block_expert_ptr,   # BlockList by (adapter, expert): [B*BM], [B], [B]
+    token_lora_ptr,    # [M] int32/int64 adapter of each token, -1 = none
     lora_ranks_ptr,    # [L] int32 actual rank of each slot (read if HAS_RANKS)
-    num_pairs, I, R,
+    num_pairs, num_blocks, top_k, I, R, LR,
     stride_hm, stride_al, stride_ae, stride_ar, stride_ak, stride_tm,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HAS_RANKS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_LR: tl.constexpr,
+    FILL_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_RANKS: tl.constexpr,
 ):
-    """Program (block, rank tile): tail[rows, l*R + r-tile] = h[rows] @ A[l, e, r-tile]^T."""
+    """Program (block, rank tile): tail[rows, l*R + r-tile] = h[rows] @ A[l, e, r-tile]^T. Programs
+    past the blocks (rank tile 0 only): zeros into FILL_ROWS pairs' tails, but for their own columns."""
     block = tl.program_id(0)
+    if block >= num_blocks:
+        if tl.program_id(1) == 0:
+            _fill(tail_ptr, token_lora_ptr, lora_ranks_ptr, block - num_blocks, num_pairs, top_k, R, LR, stride_tm,
+                  BLOCK_LR, FILL_ROWS, HAS_RANKS)
+        return
     lora = tl.load(block_lora_ptr + block)
     if lora < 0:
         return
