@@ -25,6 +25,7 @@ from ._backend import INTERPRET, on_device
 from .blocks import LayerPlan
 from .dispatch import choose_config
 from .kernels.in_k import shrink_tail_kernel
+from .layer import IN_GEMM, plan_layer
 from .moe import gemm_tiles, moe_gemm, silu_and_mul, topk_sum
 from .ops import run_lora
 from .paths import _precision
@@ -80,7 +81,7 @@ def w2_in_k_layer(x, topk_ids, topk_weights, token_lora, w13, w2_ext, w13_lora_a
                                              w2_lora_a, w2_lora_b)
     ranges = check_lora_ranks(lora_ranks, L, r)
     checked = check_plan(plan, topk_ids, token_lora, E, L, r) if plan is not None else False
-    if plan is not None and plan.lora_path in ("in_gemm", "epilogue"):
+    if plan is not None and plan.lora_path in IN_GEMM.values():
         raise ValueError(f"plan: made for an in-GEMM schedule ({plan.lora_path!r}); pass plan_layer(..., "
                          "schedule='sequential')")
     if validate:
@@ -93,7 +94,6 @@ def w2_in_k_layer(x, topk_ids, topk_weights, token_lora, w13, w2_ext, w13_lora_a
         raise ValueError("dual: True needs CUDA streams; leave it None (or False) on the CPU")
     if M == 0:
         return x.new_empty(0, H)
-    from .layer import plan_layer                     # the layer module imports this one's neighbours
     P, width = M * k, I + L * r
     with on_device(x):
         if plan is None:

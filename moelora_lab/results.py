@@ -109,12 +109,14 @@ def write_csv(rows: list[dict], path) -> None:
         w.writerows(rows)
 
 
-def check_current(rows: list[dict], source) -> list[dict]:
-    """``rows`` unchanged if every one carries the current schema and config; else StaleDataError."""
+def check_current(rows: list[dict], source, *, accept_older_rules: bool = False) -> list[dict]:
+    """``rows`` unchanged if every one carries the current schema and config (only the schema with
+    ``accept_older_rules``: the caller labels them, :func:`older_rules`); else StaleDataError."""
     if not rows:
         raise StaleDataError(f"{source}: no rows; regenerate the data with `{REGENERATE}`")
     want = (DATA_SCHEMA, config_fingerprint())
-    found = sorted({(r.get("schema", "none"), r.get("config", "none")) for r in rows}, key=str)
+    found = sorted({(r.get("schema", "none"), want[1] if accept_older_rules else r.get("config", "none"))
+                    for r in rows}, key=str)
     if found != [want]:
         got = ", ".join(f"schema {s} / config {c}" for s, c in found)
         raise StaleDataError(
@@ -128,12 +130,12 @@ def check_current(rows: list[dict], source) -> list[dict]:
 def older_rules(rows: list[dict]) -> str | None:
     """None if ``rows`` were measured under this checkout's rules (config), else a sentence saying
     under which they were (for a set shown with that label instead of refused)."""
-    found = sorted({str(r.get("config", "none")) for r in rows})
-    if found == [config_fingerprint()]:
+    found, current = sorted({str(r.get("config", "none")) for r in rows}), config_fingerprint()
+    if found == [current]:
         return None
     codes = sorted({str(r.get("code", "?")) for r in rows})
     return (f"measured under older tile and schedule rules (config {', '.join(found)}, code {', '.join(codes)}) than "
-            f"this checkout's (config {config_fingerprint()}): a stage whose kernels or schedule a rule picks may run "
+            f"this checkout's (config {current}): a stage whose kernels or schedule a rule picks may run "
             "differently now")
 
 
@@ -146,10 +148,7 @@ def load(name: str, data_dir=DATA_DIR, *, accept_older_rules: bool = False) -> l
     path = Path(data_dir) / f"{name}.csv"
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing; regenerate the data on a CUDA GPU with `{REGENERATE}`")
-    rows = read_csv(path)
-    if accept_older_rules and rows and {r.get("schema", "none") for r in rows} == {DATA_SCHEMA}:
-        return rows
-    return check_current(rows, path.name)
+    return check_current(read_csv(path), path.name, accept_older_rules=accept_older_rules)
 
 
 def load_traces(name: str = "layer_traces", data_dir=DATA_DIR) -> dict:

@@ -120,7 +120,7 @@ def _layer_section(layer) -> list[str]:
                        for v in ("fused", "epilogue"))
     auto = [t[16, m, "auto"]["us_median"] / t[16, m, "no_lora"]["us_median"] for m in ms]
     save = [1 - t[16, m, "sequential"]["us_median"] / t[16, m, "sequential_vllm_join"]["us_median"] for m in ms]
-    runs = (f"two streams at every M" if len(dual) == len(ms) else
+    runs = ("two streams at every M" if len(dual) == len(ms) else
             f"two streams up to M = {max(dual)} and one stream beyond" if dual else "one stream at every M")
     out += ["", f"`auto` runs {runs} here (the current rule).",
             f"`schedule=\"fused\"` (the LoRA inside the base GEMMs) costs {_span(fused, '{:.2f}', '×')} the no-LoRA "

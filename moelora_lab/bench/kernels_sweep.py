@@ -1,7 +1,8 @@
 """``python -m moelora_lab.bench kernels``: the LoRA op's paths x presets x {w13, w2} x M x rank.
 
 Each op is timed the way ``profile.timing`` describes (CUDA graph, L2 flushed, median and 20/80
-percentiles; the paths of a case in interleaved rounds, so a drift of the GPU lands on all of them) and written to a CSV with provenance, plus plots drawn from that CSV. Achieved
+percentiles; the paths of a case in interleaved rounds, so a drift of the GPU lands on all of them)
+and written to a CSV with provenance, plus plots drawn from that CSV. Achieved
 bandwidth is the byte model's minimum bytes for the path over the time, next to a copy ceiling
 measured in the same run. ``--tune`` times a grid of one-shot / two-kernel tiles per case instead
 of the default configs; ``--time-alignment`` also times the routing metadata.
