@@ -2,8 +2,9 @@
 
 ``block_list_device`` returns exactly what :func:`moelora_lab.routing.block_list` returns (the
 PyTorch version, kept as the readable spec); ``make_block_lists`` builds several lists from one
-routing (a layer's base and LoRA lists) in the same launches: one launch while the pairs fit one
-program's registers (``SORT_MAX_PAIRS``), three beyond; never a fill or a cast.
+routing (a layer's base and LoRA lists) in the same launches: one launch while the pairs are few
+(``SORT_MAX_PAIRS``), three beyond, chained on the GPU so that each kernel's programs are in place
+when the one before it ends; never a fill or a cast.
 
 Shape legend: M tokens, k top-k, E experts, L adapters, n = M*k pairs, G groups of a list.
 """
@@ -18,13 +19,19 @@ from .kernels.align import count_kernel, place_kernel, scan_kernel, sort_kernel
 from .routing import block_tensors, max_blocks
 from .validate import check_int, check_routing
 
-SORT_MAX_PAIRS = 1024      # up to here one program per list sorts all pairs in registers (one launch;
-                           # on the H200 a 4096-pair sort took 52 µs, the three launches 21 µs for 16384 pairs)
+SORT_MAX_PAIRS = 256       # up to here one program per list sorts all pairs in registers (one launch; on the
+                           # H200 the plan of 256 pairs took 8.2 µs sorted, 9.0 in three chained launches; of 512
+                           # pairs 9.5 and 9.3, of 1024 pairs 12.0 and 9.9)
 SUB = 128                  # beyond, pairs per chunk: one [SUB, SUB] comparison ranks them; smaller chunks
                            # (more, cheaper programs) while the pairs are few: ``chunk_pairs``
 SCAN_TILE = 4096           # elements of one scan step ([chunks, groups] tile)
 SCAN_GROUPS = 16           # groups per scan program (more programs, fewer steps each: at 65536 pairs the
                            # plan took 11% less on the H200 than with 64)
+PDL = True                 # chain the three launches by programmatic dependent launch where the GPU can
+                           # (``chained_launches``: on the H200 the plan took 0.9-1.5 µs less from 192 to 16384 pairs)
+TABLE_BLOCKS = 64          # blocks per table program of the placing kernel (each finds its blocks' groups by a
+                           # binary search: at 4096 pairs the plan took 15% less on the H200 than with one
+                           # [blocks, groups] comparison and 4 blocks per program)
 
 
 def block_list_device(topk_ids: torch.Tensor, token_lora: torch.Tensor, num_experts: int, num_loras: int,
@@ -67,19 +74,29 @@ def _block_tensors_device(topk_ids, token_lora, num_experts: int, lists) -> list
             sort_kernel[(NL,)](ids, lora, *out, n, k, E, *scalars, NP=NP, FILL=1024, num_warps=sort_warps(NP))
         else:
             GP = triton.next_power_of_2(max(r[0] for r in rows) + 1)
+            BSP = triton.next_power_of_2(max(r[1] for r in rows))
+            NT = max(triton.cdiv(r[2], TABLE_BLOCKS) for r in rows)
             sub = chunk_pairs(n)
-            NC, GB, BB = triton.cdiv(n, sub), min(GP, SCAN_GROUPS), max(1, min(64, 4096 // GP))
-            NT = max(triton.cdiv(r[2], BB) for r in rows)
+            NC, GB = triton.cdiv(n, sub), min(GP, SCAN_GROUPS)
             counts = torch.empty(NL, NC, GP, dtype=torch.int32, device=dev)
             totals = torch.empty(NL, GP, dtype=torch.int32, device=dev)
             keep = sub >= 64               # count's in-chunk places kept for place: one compare, not two
             ranks = torch.empty(NL, n if keep else 1, dtype=torch.int32, device=dev)
-            count_kernel[(NC, NL)](ids, lora, counts, ranks, n, k, E, NC, *scalars, SUB=sub, GP=GP, RANKS=keep)
-            scan_kernel[(GP // GB, NL)](counts, totals, NC, CT=max(1, min(triton.next_power_of_2(NC), SCAN_TILE // GB)),
-                                        GB=GB, GP=GP)
-            place_kernel[(NC + NT, NL)](ids, lora, counts, totals, ranks, *out, n, k, E, NC, *scalars, SUB=sub, GP=GP,
-                                        BB=BB, BSP=triton.next_power_of_2(max(r[1] for r in rows)), RANKS=keep)
+            chain = chained_launches(dev)
+            count_kernel[(NC, NL)](ids, lora, counts, ranks, n, k, E, NC, *scalars, SUB=sub, GP=GP, RANKS=keep,
+                                   PDL=chain)
+            scan_kernel[(GP // GB, NL)](counts, totals, NC, GB=GB, GP=GP, PDL=chain, launch_pdl=chain,
+                                        CT=max(1, min(triton.next_power_of_2(NC), SCAN_TILE // GB)))
+            place_kernel[(NC + NT, NL)](ids, lora, counts, totals, ranks, *out, n, k, E, NC, *scalars, SUB=sub,
+                                        GP=GP, BB=TABLE_BLOCKS, BSP=BSP, RANKS=keep, PDL=chain, launch_pdl=chain)
     return [(pairs[p: p + B * bs], block_lora[b: b + B], block_expert[b: b + B]) for _, bs, B, p, b, _ in rows]
+
+
+def chained_launches(device: torch.device) -> bool:
+    """Whether the three launches chain by programmatic dependent launch: each kernel lets the next one's
+    programs be placed early and they wait on the GPU for its results, instead of the next launch
+    starting only after it ends (Hopper and later; ``PDL`` switches it off)."""
+    return PDL and not INTERPRET and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def sort_warps(padded_pairs: int) -> int:

@@ -98,9 +98,9 @@ def main():
     ai = dict(topk_ids_ptr="*i64", token_lora_ptr="*i64", counts_ptr=i32, totals_ptr=i32, ranks_ptr=i32,
               sorted_pairs_ptr=i32, block_lora_ptr=i32, block_expert_ptr=i32)
     cases += [
-        ("align.count", align.count_kernel, ai, dict(SUB=128, GP=1024, RANKS=True)),
-        ("align.scan", align.scan_kernel, ai, dict(CT=64, GB=64, GP=1024)),
-        ("align.place", align.place_kernel, ai, dict(SUB=128, GP=1024, BB=4, BSP=128, RANKS=True)),
+        ("align.count", align.count_kernel, ai, dict(SUB=128, GP=1024, RANKS=True, PDL=True)),
+        ("align.scan", align.scan_kernel, ai, dict(CT=64, GB=64, GP=1024, PDL=True)),
+        ("align.place", align.place_kernel, ai, dict(SUB=128, GP=1024, BB=64, BSP=128, RANKS=True, PDL=True)),
         ("align.sort", align.sort_kernel, ai, dict(NP=4096, FILL=1024)),
     ]
     for name, kernel, types, constexprs in cases:

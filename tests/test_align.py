@@ -47,10 +47,12 @@ def test_device_blocks_many_chunks_and_edge_cases(device, monkeypatch):
 @pytest.fixture(params=["one_launch", "three_launches", "three_launches_wide"])
 def launches(request, monkeypatch):
     """Both constructions: one program per list sorting in registers, or count + scan + place (with
-    the chunk size of few pairs, or the widest chunks, used for many pairs)."""
+    the chunk size of few pairs, or the widest chunks, used for many pairs; table programs of a few
+    blocks, so there are several)."""
     if request.param.startswith("three_launches"):
         monkeypatch.setattr(align, "SORT_MAX_PAIRS", 0)
         monkeypatch.setattr(align, "SCAN_TILE", 128)               # the scan then takes several steps
+        monkeypatch.setattr(align, "TABLE_BLOCKS", 8)
     if request.param == "three_launches_wide":
         monkeypatch.setattr(align, "chunk_pairs", lambda n: align.SUB)
     return request.param
@@ -94,3 +96,41 @@ def test_more_than_two_lists_is_refused(device):
     ids, lora, E, L = random_routing(1, device)
     with pytest.raises(ValueError, match="at most two"):
         align._block_tensors_device(ids, lora, E, [(None, 16)] * 3)
+
+
+@pytest.mark.parametrize("chained", [True, False])
+def test_three_launches_replayed_from_a_cuda_graph_follow_new_routing(device, monkeypatch, chained):
+    # the plan captured once and replayed on other routing in the same tensors (as a server does), with and
+    # without the launches chained on the GPU: each kernel must see all of the one before it
+    if device != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    monkeypatch.setattr(align, "SORT_MAX_PAIRS", 0)
+    monkeypatch.setattr(align, "PDL", chained)
+    g = torch.Generator().manual_seed(21)
+    M, E, k, L = 1500, 64, 6, 4
+    routings = [(torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(M)]).to(torch.int32),
+                 torch.randint(-1, L, (M,), generator=g).to(torch.int32)) for _ in range(3)]
+    ids, lora = (t.to(device) for t in routings[0])
+    lists = [(None, 64), (L, 16)]
+    align._block_tensors_device(ids, lora, E, lists)                 # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        base, by_adapter = align._block_tensors_device(ids, lora, E, lists)
+    for new_ids, new_lora in routings[1:]:
+        ids.copy_(new_ids)
+        lora.copy_(new_lora)
+        graph.replay()
+        torch.cuda.synchronize()
+        for a, b in zip(base, block_list(new_ids, torch.zeros_like(new_lora), E, 1, 64).tensors):
+            assert torch.equal(a.cpu(), b)
+        for a, b in zip(by_adapter, block_list(new_ids, new_lora, E, L, 16).tensors):
+            assert torch.equal(a.cpu(), b)
+
+
+def test_launches_chain_only_where_the_gpu_can(device, monkeypatch):
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        assert not align.chained_launches(dev)                       # no CUDA stream to chain on
+    monkeypatch.setattr(align, "PDL", False)
+    assert not align.chained_launches(dev)

@@ -10,9 +10,9 @@ A layer needs two lists from the same routing (the base GEMM's, by expert, and t
 both in the same launches. The lists live end to end in one pairs buffer and one block table;
 each kernel gets every list's G, BS, B, pairs offset, block offset and whether it groups by
 adapter as scalars (G0 .. BY1: no descriptor to copy, so the launches can be captured in a CUDA
-graph). Pairs of a group stay ascending, as in the PyTorch spec; no atomics.
+graph). Pairs of a group stay ascending, as in the PyTorch spec.
 
-Few pairs (n <= a few thousand): one launch, one program per list.
+Few pairs (n <= a few hundred): one launch, one program per list.
   sort_kernel   sorts the keys g*NP + p in registers (``tl.sort``); a pair's place in its group is
                 its distance from the group's first key, the group's first block an exclusive sum
                 of blocks over the group starts; then it writes the sentinel n everywhere, the pairs,
@@ -24,11 +24,16 @@ Many pairs: three launches, chunks of SUB pairs in parallel.
   scan_kernel   (GP/GB programs per list) counts[c, g] -> pairs of group g before chunk c, totals[g]
   place_kernel  (NC + NT programs per list) chunk programs scatter their pairs to
                     sorted_pairs[first_block[g]*BS + before[g] + rank in chunk] = p,
-                table programs write the table and the sentinel n into every padding slot.
+                table programs write the table (a block's group by a binary search over the groups'
+                first blocks) and the sentinel n into every padding slot.
+  With ``PDL`` (programmatic dependent launch, Hopper on) the three chain on the GPU: count lets
+  the scan's programs be placed as it starts, the scan lets the place's be placed as it ends, and
+  each waits (``gdc_wait``) until the kernel before it has finished and its writes are seen.
 The result is identical to :func:`moelora_lab.routing.block_list`.
 """
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -55,6 +60,44 @@ def _earlier(g, ii):
 
 
 @triton.jit
+def _blocks(totals, groups, G, BS):
+    """Blocks of each group, its first block (an exclusive sum) and the blocks used, from [GP] counts."""
+    blocks = tl.where(groups < G, (totals + BS - 1) // BS, 0)
+    return blocks, tl.cumsum(blocks, 0) - blocks, tl.sum(blocks, 0)
+
+
+@triton.jit
+def _scatter(sorted_pairs_ptr, pairs, g, G, BS, first, before, earlier):
+    """Pair p goes after its group's pairs in earlier chunks (``before``) and earlier in its own."""
+    safe = tl.where(g < G, g, 0)
+    pos = tl.gather(first, safe, 0) * BS + tl.gather(before, safe, 0) + earlier
+    tl.store(sorted_pairs_ptr + pos, pairs, mask=g < G)
+
+
+@triton.jit
+def _table(block_lora_ptr, block_expert_ptr, sorted_pairs_ptr, b, first, totals, used, num_blocks, n, E, BS,
+           GP: tl.constexpr, BSP: tl.constexpr):
+    """Blocks b: the group of each (the last group whose first block is at or before it: a binary search
+    over the ascending ``first``), and the sentinel n in every slot past its group's pairs."""
+    mine = tl.zeros_like(b)                    # groups that start at or before b, minus one
+    step = GP // 2
+    while step > 0:
+        take = tl.gather(first, mine + step, 0) <= b
+        mine = tl.where(take, mine + step, mine)
+        step = step // 2
+    b_first, b_total = tl.gather(first, mine, 0), tl.gather(totals, mine, 0)
+    ok = b < num_blocks
+    live = b < used
+    tl.store(block_lora_ptr + b, tl.where(live, mine // E, -1), mask=ok)
+    tl.store(block_expert_ptr + b, tl.where(live, mine % E, -1), mask=ok)
+    s = tl.arange(0, BSP)
+    slot = (b - b_first)[:, None] * BS + s[None, :]                                # [BB, BSP] place in group
+    pad = ~live[:, None] | (slot >= b_total[:, None])
+    tl.store(sorted_pairs_ptr + b[:, None] * BS + s[None, :], n + 0 * slot,
+             mask=ok[:, None] & (s < BS)[None, :] & pad)
+
+
+@triton.jit
 def count_kernel(
     topk_ids_ptr,      # [n] int32/int64 expert of each pair
     token_lora_ptr,    # [M] int32/int64 adapter of each token, -1 = none
@@ -62,9 +105,11 @@ def count_kernel(
     ranks_ptr,         # [NL, n] int32 out (RANKS): each pair's place among its group's pairs in its chunk
     n, top_k, E, num_chunks,
     G0, BS0, B0, P0, BA0, BY0, G1, BS1, B1, P1, BA1, BY1,
-    SUB: tl.constexpr, GP: tl.constexpr, RANKS: tl.constexpr,
+    SUB: tl.constexpr, GP: tl.constexpr, RANKS: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program (chunk, list): how many pairs of each group chunk c holds (zero for the others)."""
+    if PDL:
+        gdc_launch_dependents()      # the next kernel's programs may be placed now
     chunk, lst = tl.program_id(0), tl.program_id(1)
     G, _, _, _, _, by_adapter = _list(lst, G0, BS0, B0, P0, BA0, BY0, G1, BS1, B1, P1, BA1, BY1)
     ii = tl.arange(0, SUB)
@@ -88,8 +133,10 @@ def scan_kernel(
     counts_ptr,        # [NL, NC, GP] int32 in: per-chunk counts; out: pairs of the group in earlier chunks
     totals_ptr,        # [NL, GP] int32 out: pairs of each group
     num_chunks,
-    CT: tl.constexpr, GB: tl.constexpr, GP: tl.constexpr,
+    CT: tl.constexpr, GB: tl.constexpr, GP: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    if PDL:
+        gdc_wait()                   # until the previous kernel is done and its writes are seen
     lst = tl.program_id(1)
     cols = tl.program_id(0) * GB + tl.arange(0, GB)
     rows = tl.arange(0, CT)
@@ -103,6 +150,8 @@ def scan_kernel(
         tl.store(ptrs, incl - cnt + carry[None, :], mask=ok)
         carry += tl.sum(cnt, 0)
     tl.store(totals_ptr + lst * GP + cols, carry)
+    if PDL:
+        gdc_launch_dependents()      # only now: placing programs that wait beside the scan slowed it on the H200
 
 
 @triton.jit
@@ -117,46 +166,28 @@ def place_kernel(
     n, top_k, E, num_chunks,
     G0, BS0, B0, P0, BA0, BY0, G1, BS1, B1, P1, BA1, BY1,
     SUB: tl.constexpr, GP: tl.constexpr, BB: tl.constexpr, BSP: tl.constexpr, RANKS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:
+        gdc_wait()                   # until the previous kernel is done and its writes are seen
     pid, lst = tl.program_id(0), tl.program_id(1)
     G, BS, num_blocks, pairs_at, blocks_at, by_adapter = _list(lst, G0, BS0, B0, P0, BA0, BY0,
                                                                G1, BS1, B1, P1, BA1, BY1)
-    groups = tl.arange(0, GP)
-    totals = tl.load(totals_ptr + lst * GP + groups)
-    blocks = tl.where(groups < G, (totals + BS - 1) // BS, 0)
-    first = tl.cumsum(blocks, 0) - blocks                                          # [GP] ascending
-    used = tl.sum(blocks, 0)
+    totals = tl.load(totals_ptr + lst * GP + tl.arange(0, GP))
+    blocks, first, used = _blocks(totals, tl.arange(0, GP), G, BS)
     if pid < num_chunks:
-        # scatter: pair p goes after the pairs of its group in earlier chunks and earlier in this one
         ii = tl.arange(0, SUB)
         pairs = pid * SUB + ii
         g = _group_of(topk_ids_ptr, token_lora_ptr, pairs, n, top_k, E, G, by_adapter)
-        before = tl.load(counts_ptr + (lst * num_chunks + pid).to(tl.int64) * GP + groups)
-        safe = tl.where(g < G, g, 0)
+        before = tl.load(counts_ptr + (lst * num_chunks + pid).to(tl.int64) * GP + tl.arange(0, GP))
         if RANKS:
             earlier = tl.load(ranks_ptr + lst.to(tl.int64) * n + pairs, mask=pairs < n, other=0)
         else:
             earlier = _earlier(g, ii)
-        pos = tl.gather(first, safe, 0) * BS + tl.gather(before, safe, 0) + earlier
-        tl.store(sorted_pairs_ptr + pairs_at + pos, pairs, mask=g < G)
+        _scatter(sorted_pairs_ptr + pairs_at, pairs, g, G, BS, first, before, earlier)
     else:
-        # table: the group of each block (the last group starting at or before it), and the sentinel
-        # in every slot past its group's pairs
-        b = (pid - num_chunks) * BB + tl.arange(0, BB)
-        starts = first[None, :] <= b[:, None]                                      # [BB, GP]
-        mine = tl.sum(starts.to(tl.int32), 1) - 1
-        is_mine = groups[None, :] == mine[:, None]
-        b_first = tl.sum(tl.where(is_mine, first[None, :], 0), 1)
-        b_total = tl.sum(tl.where(is_mine, totals[None, :], 0), 1)
-        ok = b < num_blocks
-        live = b < used
-        tl.store(block_lora_ptr + blocks_at + b, tl.where(live, mine // E, -1), mask=ok)
-        tl.store(block_expert_ptr + blocks_at + b, tl.where(live, mine % E, -1), mask=ok)
-        s = tl.arange(0, BSP)
-        slot = (b - b_first)[:, None] * BS + s[None, :]                            # [BB, BSP] place in group
-        pad = ~live[:, None] | (slot >= b_total[:, None])
-        tl.store(sorted_pairs_ptr + pairs_at + b[:, None] * BS + s[None, :], n + 0 * slot,
-                 mask=ok[:, None] & (s < BS)[None, :] & pad)
+        _table(block_lora_ptr + blocks_at, block_expert_ptr + blocks_at, sorted_pairs_ptr + pairs_at,
+               (pid - num_chunks) * BB + tl.arange(0, BB), first, totals, used, num_blocks, n, E, BS, GP, BSP)
 
 
 @triton.jit
