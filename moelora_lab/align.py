@@ -10,6 +10,8 @@ Shape legend: M tokens, k top-k, E experts, L adapters, n = M*k pairs, G groups 
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 
@@ -97,6 +99,23 @@ def chained_launches(device: torch.device) -> bool:
     programs be placed early and they wait on the GPU for its results, instead of the next launch
     starting only after it ends (Hopper and later; ``PDL`` switches it off)."""
     return PDL and not INTERPRET and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@contextlib.contextmanager
+def construction(*, sort_max_pairs: int | None = None, chained: bool | None = None):
+    """Inside the block, build block lists another way (to measure what each rule buys): sort in one
+    program up to ``sort_max_pairs`` pairs instead of ``SORT_MAX_PAIRS``; chain the three launches or
+    not (``chained``, where the GPU can). None keeps the rule."""
+    global SORT_MAX_PAIRS, PDL
+    if sort_max_pairs is not None:
+        check_int("sort_max_pairs", sort_max_pairs, low=0)
+    saved = SORT_MAX_PAIRS, PDL
+    SORT_MAX_PAIRS = saved[0] if sort_max_pairs is None else sort_max_pairs
+    PDL = saved[1] if chained is None else bool(chained)
+    try:
+        yield
+    finally:
+        SORT_MAX_PAIRS, PDL = saved
 
 
 def sort_warps(padded_pairs: int) -> int:

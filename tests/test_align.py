@@ -134,3 +134,21 @@ def test_launches_chain_only_where_the_gpu_can(device, monkeypatch):
         assert not align.chained_launches(dev)                       # no CUDA stream to chain on
     monkeypatch.setattr(align, "PDL", False)
     assert not align.chained_launches(dev)
+
+
+def test_construction_switches_the_rule_inside_and_restores_it(device):
+    ids, lora, E, L = random_routing(3, device)
+    want = block_list(ids, lora, E, L, 16).tensors
+    rule = (align.SORT_MAX_PAIRS, align.PDL)
+    for how in (dict(sort_max_pairs=0), dict(sort_max_pairs=1 << 20), dict(chained=False)):
+        with align.construction(**how):
+            assert (align.SORT_MAX_PAIRS, align.PDL) != rule
+            got = block_list_device(ids, lora, E, L, 16).tensors
+        assert all(torch.equal(a, b) for a, b in zip(got, want)) and (align.SORT_MAX_PAIRS, align.PDL) == rule
+    with pytest.raises(RuntimeError, match="inside"):
+        with align.construction(sort_max_pairs=0):
+            raise RuntimeError("inside")
+    assert (align.SORT_MAX_PAIRS, align.PDL) == rule
+    with pytest.raises(ValueError, match="sort_max_pairs"):
+        with align.construction(sort_max_pairs=-1):
+            pass

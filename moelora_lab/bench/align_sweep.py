@@ -1,6 +1,8 @@
 """``python -m moelora_lab.bench align``: the routing metadata (the block list of (adapter, expert)
 groups), made by the PyTorch spec (``routing.block_list``) and by the device kernels
-(``align.block_list_device``), checked equal, then each timed.
+(``align.block_list_device``), checked equal, then each timed. Where the rule runs the three launches,
+two other constructions are timed beside it: the three launches not chained (``triton_unchained``)
+and, up to ``SORT_ROWS_MAX_PAIRS`` pairs, the one-program sort (``triton_sort``).
 
 Shape legend: M tokens, E experts, k top-k, L adapters; BLOCK_M rows per block (``--block-size``).
 """
@@ -8,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import align
 from ..align import block_list_device
 from ..config import MoEShape
 from ..profile import timing
@@ -15,6 +18,7 @@ from ..routing import block_list
 from .common import sweep_parser, sweep_routing
 
 NAME = "align"
+SORT_ROWS_MAX_PAIRS = 4096     # the one-program sort grows fast with the pairs (tens of µs past this)
 
 
 def add_parser(sub):
@@ -33,12 +37,26 @@ def run(args) -> list[dict]:
             E, L, bs = shape.num_experts, args.loras, args.block_size
             fns = {"torch_ops": lambda: block_list(ids, lora, E, L, bs),
                    "triton_kernels": lambda: block_list_device(ids, lora, E, L, bs, validate=False)}
-            spec, dev = (fns[m]().tensors for m in ("torch_ops", "triton_kernels"))
-            if not all(torch.equal(a, b) for a, b in zip(spec, dev)):
-                raise RuntimeError(f"{preset} M={M}: the device kernels' block list differs from block_list()")
+            n = M * shape.top_k
+            if n > align.SORT_MAX_PAIRS:
+                fns["triton_unchained"] = _built(ids, lora, E, L, bs, chained=False)
+                if n <= SORT_ROWS_MAX_PAIRS:
+                    fns["triton_sort"] = _built(ids, lora, E, L, bs, sort_max_pairs=n)
+            spec = fns["torch_ops"]().tensors
+            for method, fn in fns.items():
+                if not all(torch.equal(a, b) for a, b in zip(spec, fn().tensors)):
+                    raise RuntimeError(f"{preset} M={M}: the block list of {method} differs from block_list()")
             for method, fn in fns.items():
                 t = timing.time_cuda(fn)
                 rows.append(dict(preset=preset, M=M, loras=L, block_size=bs, method=method,
                                  us_median=round(t.median_us, 2), us_p20=round(t.p20_us, 2),
                                  us_p80=round(t.p80_us, 2), **prov))
     return rows
+
+
+def _built(ids, lora, E, L, bs, **how):
+    """block_list_device the way ``how`` says (see ``align.construction``)."""
+    def build():
+        with align.construction(**how):
+            return block_list_device(ids, lora, E, L, bs, validate=False)
+    return build
