@@ -49,7 +49,7 @@ def _op_section(kernels, vllm, align) -> list[str]:
     device = [v for (m, p, _), v in by.items() if m == "triton_kernels"]
     out += [f"The routing metadata of one block list costs {_span(torch_ops, '{:.0f}', ' µs')} built from PyTorch ops",
             f"(`block_list`) and {_span(device, '{:.0f}', ' µs')} from Triton kernels (`block_list_device`, used on",
-            f"GPUs: one launch up to {SORT_MAX_PAIRS} pairs, three beyond; `align.csv`, M = "
+            f"GPUs: one launch up to {SORT_MAX_PAIRS} pairs, three chained launches beyond; `align.csv`, M = "
             + ", ".join(str(m) for m in sorted({k[2] for k in by})) + ")."]
     return out
 
