@@ -75,7 +75,7 @@ def _block_tensors_device(topk_ids, token_lora, num_experts: int, lists) -> list
             NP = triton.next_power_of_2(max(n, 1))
             sort_kernel[(NL,)](ids, lora, *out, n, k, E, *scalars, NP=NP, FILL=1024, num_warps=sort_warps(NP))
         else:
-            GP = triton.next_power_of_2(max(r[0] for r in rows) + 1)
+            GP = triton.next_power_of_2(max(r[0] for r in rows))      # pairs left out (group G) are never counted
             BSP = triton.next_power_of_2(max(r[1] for r in rows))
             NT = max(triton.cdiv(r[2], TABLE_BLOCKS) for r in rows)
             sub = chunk_pairs(n)

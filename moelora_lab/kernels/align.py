@@ -2,7 +2,7 @@
 
 Shape legend: M tokens, k top-k, E experts, L adapters, n = M*k pairs, G groups of a list (E when
 pairs are grouped by expert, L*E when by (adapter, expert): g = l*E + e; g = G collects pairs left
-out), NP = next power of two >= n, GP = next power of two > G, SUB pairs per chunk, NC chunks,
+out), NP = next power of two >= n, GP = next power of two >= G, SUB pairs per chunk, NC chunks,
 B blocks of BS pairs, NL lists.
 
 A layer needs two lists from the same routing (the base GEMM's, by expert, and the LoRA's, by
