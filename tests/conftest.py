@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 
+import moelora_lab  # noqa: F401  (first: without a GPU it must set up the Triton interpreter before triton loads)
 import pytest
 from hypothesis import HealthCheck, settings
 
