@@ -43,7 +43,7 @@ def run(args) -> list[dict]:
                 if n <= SORT_ROWS_MAX_PAIRS:
                     fns["triton_sort"] = _built(ids, lora, E, L, bs, sort_max_pairs=n)
             spec = fns["torch_ops"]().tensors
-            for method, fn in fns.items():
+            for method, fn in list(fns.items())[1:]:              # every way against the spec
                 if not all(torch.equal(a, b) for a, b in zip(spec, fn().tensors)):
                     raise RuntimeError(f"{preset} M={M}: the block list of {method} differs from block_list()")
             for method, fn in fns.items():
