@@ -100,13 +100,22 @@ def num_sms(device: torch.device) -> int:
 #   programs leave SMs idle, while the expand grid (blocks x N tiles) fills them (1.1-1.4x at r 16-64);
 #   at r 128 one rank tile makes the fused program short enough to win, and past 16384 pairs there
 #   are enough blocks;
+# * past r 128 (two rank tiles in every one-shot program) the same holds again for outputs at least
+#   ``VERY_WIDE_COLUMNS`` per slice (w2's N = 2048): two kernels up to ``WIDE_MAX_PAIRS`` pairs, 1.11x at
+#   r 256 and 16384 pairs on both presets, while deepseek's gate/up (1408 per slice) ran 1.10x faster on
+#   one-shot there;
+# * at r 64 with outputs of at most ``MAX_EXPAND_COLUMNS`` per slice (qwen's gate/up, 768), one-shot had
+#   caught up by 4096 pairs (1.04x faster; two kernels were 1.13x faster at 1024): two kernels only up to
+#   ``NARROW_TWO_KERNEL_MAX_PAIRS`` pairs there;
 # * the two-kernel path runs 2 warps when its blocks are at most 32 pairs and its rank tile at most 64
 #   wide (up to 9% faster at r 16; level at r 64); 4 warps for 64-pair blocks or wider rank tiles.
 TWO_KERNEL_MIN_RANK = 64
 TWO_KERNEL_MIN_PAIRS = 32
 TWO_KERNEL_MAX_PAIRS = 4096
 WIDE_MIN_PAIRS = 128
+NARROW_TWO_KERNEL_MAX_PAIRS = 2048
 WIDE_MAX_PAIRS = 16384
+VERY_WIDE_COLUMNS = 2048
 PROGRAMS_PER_SM = 4
 NARROW_RANK = 16            # rank tiles up to this wide: 2 warps, BLOCK_K 128 (measured at r 16 only)
 MAX_EXPAND_COLUMNS = 1024
@@ -116,14 +125,19 @@ TWO_KERNEL_NARROW_RANK = 64     # ... and rank tiles at most this wide: 2 warps
 
 def choose_path(num_pairs: int, num_experts: int, num_loras: int, rank: int, n_out: int | None = None) -> str:
     """The ``auto`` rule (see the measurements above): one-shot, except
-    * r >= 64 with 32..4096 pairs (r >= 128: 1..4096 pairs), where the two-kernel path's wider grid wins;
-    * an output wider than ``MAX_EXPAND_COLUMNS`` per slice (``n_out``, N; None: unknown) at r < 128
-      with 128..16384 pairs, where one-shot programs walk too many N tiles each."""
-    min_pairs = 1 if rank >= 2 * TWO_KERNEL_MIN_RANK else TWO_KERNEL_MIN_PAIRS
-    if rank >= TWO_KERNEL_MIN_RANK and min_pairs <= num_pairs <= TWO_KERNEL_MAX_PAIRS:
+    * r >= 64 with 32..4096 pairs (r >= 128: 1..4096 pairs; r < 128 and an output of at most
+      ``MAX_EXPAND_COLUMNS`` per slice: 32..2048), where the two-kernel path's wider grid wins;
+    * an output wider than ``MAX_EXPAND_COLUMNS`` per slice (``n_out``, N; None: unknown) at r < 128,
+      or at least ``VERY_WIDE_COLUMNS`` at r > 128, with 128..16384 pairs, where one-shot programs walk
+      too many N tiles each."""
+    low = rank < 2 * TWO_KERNEL_MIN_RANK
+    narrow = n_out is not None and n_out <= MAX_EXPAND_COLUMNS
+    min_pairs = TWO_KERNEL_MIN_PAIRS if low else 1
+    max_pairs = NARROW_TWO_KERNEL_MAX_PAIRS if low and narrow else TWO_KERNEL_MAX_PAIRS
+    if rank >= TWO_KERNEL_MIN_RANK and min_pairs <= num_pairs <= max_pairs:
         return "two_kernel"
-    wide = n_out is not None and n_out > MAX_EXPAND_COLUMNS
-    if wide and rank < 2 * TWO_KERNEL_MIN_RANK and WIDE_MIN_PAIRS <= num_pairs <= WIDE_MAX_PAIRS:
+    wide = n_out is not None and (not narrow if low else rank > 2 * TWO_KERNEL_MIN_RANK and n_out >= VERY_WIDE_COLUMNS)
+    if wide and WIDE_MIN_PAIRS <= num_pairs <= WIDE_MAX_PAIRS:
         return "two_kernel"
     return "one_shot"
 

@@ -152,6 +152,12 @@ def test_auto_uses_the_documented_rule(device):
     assert choose_path(num_pairs=8, num_experts=128, num_loras=4, rank=128) == "two_kernel"
     assert choose_path(num_pairs=4096, num_experts=128, num_loras=4, rank=256) == "two_kernel"
     assert choose_path(num_pairs=4097, num_experts=128, num_loras=4, rank=256) == "one_shot"
+    # r < 128 with outputs of at most MAX_EXPAND_COLUMNS per slice: two kernels up to 2048 pairs only
+    narrow = dict(num_experts=128, num_loras=4, n_out=768)
+    assert choose_path(num_pairs=2048, rank=64, **narrow) == "two_kernel"
+    assert choose_path(num_pairs=2049, rank=64, **narrow) == "one_shot"
+    assert choose_path(num_pairs=4096, rank=128, **narrow) == "two_kernel"
+    assert choose_path(num_pairs=4096, rank=64, num_experts=128, num_loras=4) == "two_kernel"   # N unknown
     # outputs wider than MAX_EXPAND_COLUMNS per slice: two kernels at r < 128 from 128 to 16384 pairs
     wide = dict(num_experts=128, num_loras=4, n_out=2048)
     assert choose_path(num_pairs=127, rank=16, **wide) == "one_shot"
@@ -159,6 +165,10 @@ def test_auto_uses_the_documented_rule(device):
     assert choose_path(num_pairs=16384, rank=64, **wide) == "two_kernel"
     assert choose_path(num_pairs=16385, rank=16, **wide) == "one_shot"
     assert choose_path(num_pairs=8192, rank=128, **wide) == "one_shot"
+    # past r 128 only outputs of at least VERY_WIDE_COLUMNS per slice
+    assert choose_path(num_pairs=16384, rank=256, **wide) == "two_kernel"
+    assert choose_path(num_pairs=16385, rank=256, **wide) == "one_shot"
+    assert choose_path(num_pairs=16384, rank=256, num_experts=64, num_loras=4, n_out=1408) == "one_shot"
     assert choose_path(num_pairs=8192, rank=16, num_experts=128, num_loras=4, n_out=1024) == "one_shot"
     assert choose_path(num_pairs=8192, rank=16, num_experts=128, num_loras=4) == "one_shot"    # N unknown
     p = lora_case(40, device=device, seed=8)
