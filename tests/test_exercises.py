@@ -191,7 +191,9 @@ def test_traffic_checks_run_compiled_kernels_on_the_interpreter(tmp_path):
         "    interpreted(k)[(1,)](src, dst, BLOCK=16)\n"
         "assert torch.equal(dst, 2 * src) and mem.loaded('src') == mem.stored('dst') == 64\n"
         "print('ok')\n")
-    env = dict(__import__("os").environ, MOELORA_INTERPRET="0")
+    os = __import__("os")
+    env = dict(os.environ, MOELORA_INTERPRET="0")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))   # installed or not
     env.pop("TRITON_INTERPRET", None)
     (tmp_path / "twin.py").write_text(script)            # @triton.jit reads its source from a file
     out = subprocess.run([sys.executable, str(tmp_path / "twin.py")], capture_output=True, text=True, env=env,

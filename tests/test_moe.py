@@ -135,7 +135,10 @@ def test_in_gemm_lora_touches_only_rows_with_an_adapter(device):
     base = run(p, p.x, p.w13, None, mul=False)
     none = (p.token_lora < 0).repeat_interleave(SHAPE.top_k)
     assert none.any() and (~none).any()
-    assert torch.equal(with_lora[none], base[none])
+    # exact on a GPU; the interpreter's dots go through NumPy's BLAS, whose rounding may differ in the last
+    # bit between two launches of different kernels: a LoRA term would differ by far more than that
+    exact = dict(rtol=0, atol=0) if device == "cuda" else dict(rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(with_lora[none], base[none], **exact)
     assert not torch.allclose(with_lora[~none], base[~none])
 
 
