@@ -160,21 +160,25 @@ def launch_two_kernel(call: LoRACall, cfg: KernelConfig | None = None) -> None:
 
 
 def launch_shrink(x, lora_a, inter, blocks: BlockList, cfg: KernelConfig, *, top_k: int, token_rows: bool,
-                  lora_ranks=None) -> None:
+                  lora_ranks=None, one_read: bool = False) -> None:
     """The shrink alone: inter[s, p, :r_l] = A_s[l, e] x_p for the blocks' pairs (inter [S, P, R], R =
     A's rank dim; ``lora_ranks`` [L] int32 caps each slot's rows). The sharded layers run it apart
-    from the expand, with a collective between the two."""
+    from the expand, with a collective between the two. ``one_read=True`` gives both slices of a
+    launch to one program, which reads its x rows once instead of once per slice (same results)."""
+    if not isinstance(one_read, bool):
+        raise TypeError(f"one_read: expected True or False, got {one_read!r}")
     R, K = lora_a[0].shape[2], lora_a[0].shape[3]
     block_r, rank_tiles = cfg.rank_tiling(R)
     ranks = blocks.block_lora if lora_ranks is None else lora_ranks
     for s0, ns in _slice_pairs(len(lora_a)):
         t = inter[s0:s0 + ns]
-        shrink_kernel[(blocks.num_blocks, ns, rank_tiles)](
+        both = one_read and ns == 2
+        shrink_kernel[(blocks.num_blocks, 1 if both else ns, rank_tiles)](
             x, *_slices(lora_a, s0), t, *blocks.tensors, ranks,
             inter.shape[1], top_k, K, R, x.stride(0), x.stride(1), *lora_a[0].stride(), *t.stride(),
             BLOCK_M=blocks.block_size, BLOCK_K=cfg.block_k, BLOCK_R=block_r, TOKEN_ROWS=token_rows,
-            DOT_PRECISION=_precision(x), HAS_RANKS=lora_ranks is not None, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages)
+            DOT_PRECISION=_precision(x), HAS_RANKS=lora_ranks is not None, BOTH_SLICES=both,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def launch_expand(inter, lora_b, out2d, weights, blocks: BlockList, cfg: KernelConfig, *, mul_routed_weight: bool,

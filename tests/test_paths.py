@@ -79,3 +79,42 @@ def test_auto_picks_by_the_real_ranks_given_on_the_cpu():
     assert resolve_path("auto", rank=128, **kw) == "two_kernel"
     assert resolve_path("auto", rank=128, choice_rank=8, **kw) == "one_shot"
     assert resolve_path("two_kernel", rank=128, choice_rank=8, **kw) == "two_kernel"   # an explicit path stays
+
+
+@pytest.mark.parametrize("slices, token_rows, ranks", [(2, True, None), (3, True, (5, 8, 0)), (1, False, None)])
+def test_shrink_reads_x_once_for_both_slices(device, slices, token_rows, ranks):
+    """``launch_shrink(one_read=True)`` writes what one program per slice writes, and what the spec says:
+    T[s, p, :r_l] = A_s[l, e_p] x_row(p) for every pair with an adapter (poisoned T elsewhere stays NaN)."""
+    from moelora_lab.align import make_blocks
+    from moelora_lab.dispatch import choose_config
+
+    p = lora_case(7, device=device, seed=5, no_adapter_fraction=0.3)
+    L, E, r, K = p.w13_lora_a[0].shape
+    M, k = p.topk_ids.shape
+    gen = torch.Generator().manual_seed(1)
+    a = [torch.randn(L, E, r, K, generator=gen).to(device) for _ in range(slices)]
+    x = p.x if token_rows else torch.randn(M * k, K, generator=gen).to(device)
+    lora_ranks = None if ranks is None else torch.tensor(ranks, dtype=torch.int32, device=device)
+    cfg = choose_config("two_kernel", M * k, L * E, 40, slices, x.device, rank=r)
+    blocks = make_blocks(p.topk_ids, p.token_lora, E, L, cfg.block_m)
+    got = {}
+    for one_read in (False, True):
+        t = torch.full((slices, M * k, r), float("nan"), device=device)
+        paths.launch_shrink(x, a, t, blocks, cfg, top_k=k, token_rows=token_rows, lora_ranks=lora_ranks,
+                            one_read=one_read)
+        got[one_read] = t.cpu()
+    assert torch.equal(got[True].nan_to_num(7.0), got[False].nan_to_num(7.0))
+    lora = p.token_lora.cpu().repeat_interleave(k)
+    rows = (x.cpu()[torch.arange(M * k) // k] if token_rows else x.cpu())
+    for pair, (l, e) in enumerate(zip(lora.tolist(), p.topk_ids.cpu().reshape(-1).tolist())):
+        r_l = r if ranks is None or l < 0 else min(ranks[l], r)
+        for s in range(slices):
+            if l < 0 or r_l == 0:
+                continue
+            want = a[s][l, e, :r_l].cpu() @ rows[pair]
+            assert_close(got[True][s, pair, :r_l], want, torch.float32)
+
+
+def test_shrink_one_read_wants_a_bool():
+    with pytest.raises(TypeError, match="one_read: expected True or False"):
+        paths.launch_shrink(None, [], None, None, None, top_k=1, token_rows=True, one_read="yes")

@@ -28,8 +28,10 @@ def shrink_kernel(
     stride_ts, stride_tm, stride_tr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     TOKEN_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_RANKS: tl.constexpr,
+    BOTH_SLICES: tl.constexpr = False,   # one program shrinks slices 0 and 1 from one read of its x rows
 ):
-    """Program (block, slice, rank tile): T[s, rows, r-tile] = X[rows] @ A[l, e, r-tile]^T."""
+    """Program (block, slice, rank tile): T[s, rows, r-tile] = X[rows] @ A[l, e, r-tile]^T; with
+    BOTH_SLICES, program (block, 0, rank tile) writes the tile of both slices (x read once, not twice)."""
     block = tl.program_id(0)
     slice_id = tl.program_id(1)
     lora = tl.load(block_lora_ptr + block)
@@ -40,22 +42,31 @@ def shrink_kernel(
         return                                           # past the adapter's rank: never read
     expert = tl.load(block_expert_ptr + block)
     a_ptr, _ = slice_pointers(slice_id, a0_ptr, a1_ptr, a0_ptr, a1_ptr)
-    a_ptr += lora.to(tl.int64) * stride_al + expert.to(tl.int64) * stride_ae
+    weight = lora.to(tl.int64) * stride_al + expert.to(tl.int64) * stride_ae
+    a_ptr += weight
     pairs, valid, x_rows = block_rows(sorted_pairs_ptr, block, num_pairs, top_k, BLOCK_M, TOKEN_ROWS)
 
     offs_r, r_ok = rank_tile(tl.program_id(2) * BLOCK_R, r_lim, BLOCK_R)
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    if BOTH_SLICES:
+        acc1 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
         k_ok = ks < K
         xk = tl.load(x_ptr + x_rows.to(tl.int64)[:, None] * stride_xm + ks[None, :] * stride_xk,
                      mask=valid[:, None] & k_ok[None, :], other=0.0)                   # [BM, BK]
-        ak = tl.load(a_ptr + offs_r[None, :] * stride_ar + ks[:, None] * stride_ak,
-                     mask=r_ok[None, :] & k_ok[:, None], other=0.0)                    # [BK, BR]
-        acc = tl.dot(xk, ak, acc, input_precision=DOT_PRECISION)
+        a_tile = offs_r[None, :] * stride_ar + ks[:, None] * stride_ak
+        a_ok = r_ok[None, :] & k_ok[:, None]
+        acc = tl.dot(xk, tl.load(a_ptr + a_tile, mask=a_ok, other=0.0), acc, input_precision=DOT_PRECISION)
+        if BOTH_SLICES:                                                                # the same x tile, slice 1's A
+            acc1 = tl.dot(xk, tl.load(a1_ptr + weight + a_tile, mask=a_ok, other=0.0), acc1,
+                          input_precision=DOT_PRECISION)
     t = t_ptr + slice_id * stride_ts + pairs.to(tl.int64)[:, None] * stride_tm + offs_r[None, :] * stride_tr
-    tl.store(t, acc.to(t_ptr.dtype.element_ty), mask=valid[:, None] & r_ok[None, :])   # the HBM round trip
+    t_ok = valid[:, None] & r_ok[None, :]
+    tl.store(t, acc.to(t_ptr.dtype.element_ty), mask=t_ok)                             # the HBM round trip
+    if BOTH_SLICES:
+        tl.store(t + stride_ts, acc1.to(t_ptr.dtype.element_ty), mask=t_ok)
 
 
 @triton.jit
