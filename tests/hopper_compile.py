@@ -72,7 +72,10 @@ def main():
                            EVEN_K=True, HAS_RANKS=ranks)))
     cases += [
         ("shrink", two_kernel.shrink_kernel, lora, dict(BLOCK_M=16, BLOCK_K=128, BLOCK_R=64, TOKEN_ROWS=True,
-                                                        DOT_PRECISION="tf32", HAS_RANKS=True)),
+                                                        DOT_PRECISION="tf32", HAS_RANKS=True, BOTH_SLICES=False)),
+        ("shrink, both slices from one read of x", two_kernel.shrink_kernel, lora,
+         dict(BLOCK_M=64, BLOCK_K=64, BLOCK_R=64, TOKEN_ROWS=True, DOT_PRECISION="tf32", HAS_RANKS=True,
+              BOTH_SLICES=True)),
         ("expand", two_kernel.expand_kernel, lora, dict(BLOCK_M=16, BLOCK_N=128, BLOCK_R=64, MUL_ROUTED_WEIGHT=True,
                                                         ADD_INPUTS=True, DOT_PRECISION="tf32", HAS_RANKS=True)),
         ("small_batch", small_batch.small_batch_kernel, lora,
@@ -125,6 +128,12 @@ def main():
                                                                   HAS_LORA=True, HAS_RANKS=False)))
     print(f"moe_gemm with 128 LoRA columns -> {fused}")
     assert fused["stack"] == 0, fused
+    # the shrink that keeps both slices' accumulators (2 x [64, 64] fp32 at 4 warps) must not spill
+    both = resources(build(two_kernel.shrink_kernel, lora, dict(BLOCK_M=64, BLOCK_K=64, BLOCK_R=64, TOKEN_ROWS=True,
+                                                               DOT_PRECISION="tf32", HAS_RANKS=False,
+                                                               BOTH_SLICES=True)))
+    print(f"shrink of both slices, BLOCK_R 64 -> {both}")
+    assert both["stack"] == 0, both
 
 
 if __name__ == "__main__":
