@@ -3,6 +3,7 @@
 Run as a script (``MOELORA_INTERPRET=0`` so the kernels are built for the compiler, not the
 interpreter); prints one line per kernel variant and exits non-zero on the first failure.
 """
+import inspect
 import os
 import pathlib
 import re
@@ -32,7 +33,8 @@ def build(kernel, types: dict, constexprs: dict, num_warps=4, num_stages=3):
     fn = kernel
     while not isinstance(fn, JITFunction):                   # unwrap @triton.heuristics
         fn = fn.fn
-    constexprs = dict(constexprs, **{n: 1 for n in UNIT_STRIDES if n in fn.arg_names})
+    defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.default is not inspect.Parameter.empty}
+    constexprs = dict(defaults, **constexprs, **{n: 1 for n in UNIT_STRIDES if n in fn.arg_names})
     sig = {name: ("constexpr" if name in constexprs else types.get(name, "i32")) for name in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
              if sig[name] != "constexpr" and name != "top_k"}
@@ -72,7 +74,7 @@ def main():
                            EVEN_K=True, HAS_RANKS=ranks)))
     cases += [
         ("shrink", two_kernel.shrink_kernel, lora, dict(BLOCK_M=16, BLOCK_K=128, BLOCK_R=64, TOKEN_ROWS=True,
-                                                        DOT_PRECISION="tf32", HAS_RANKS=True, BOTH_SLICES=False)),
+                                                        DOT_PRECISION="tf32", HAS_RANKS=True)),
         ("shrink, both slices from one read of x", two_kernel.shrink_kernel, lora,
          dict(BLOCK_M=64, BLOCK_K=64, BLOCK_R=64, TOKEN_ROWS=True, DOT_PRECISION="tf32", HAS_RANKS=True,
               BOTH_SLICES=True)),

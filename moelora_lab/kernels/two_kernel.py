@@ -28,7 +28,7 @@ def shrink_kernel(
     stride_ts, stride_tm, stride_tr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     TOKEN_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_RANKS: tl.constexpr,
-    BOTH_SLICES: tl.constexpr,           # one program shrinks slices 0 and 1 from one read of its x rows
+    BOTH_SLICES: tl.constexpr = False,   # one program shrinks slices 0 and 1 from one read of its x rows
 ):
     """Program (block, slice, rank tile): T[s, rows, r-tile] = X[rows] @ A[l, e, r-tile]^T; with
     BOTH_SLICES, program (block, 0, rank tile) writes the tile of both slices (x read once, not twice)."""
