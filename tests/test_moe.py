@@ -5,7 +5,7 @@ import torch
 import moelora_lab as ml
 from moelora_lab.align import make_blocks
 from moelora_lab.moe import GemmLoRA, fused_columns, gemm_tiles, moe_gemm
-from utils import assert_close, poisoned
+from utils import assert_close, poisoned, shrink_spec
 
 SHAPE = ml.MoEShape(48, 40, 6, 2, "moe-test")     # K and N not multiples of the tiles
 
@@ -94,35 +94,20 @@ def test_w_tma_refuses_a_strided_weight(device):
         run(p, p.x, strided, None, mul=False, W_TMA=True)
 
 
-def _shrunk(p, x, lora_a, ranks):
-    """T [S, P, r] = A x per pair with an adapter, below its slot's rank; NaN everywhere else, so a read
-    of anything the shrink does not write fails."""
-    M, k = p.topk_ids.shape
-    rows = x.float().repeat_interleave(k, 0) if x.shape[0] == M else x.float()
-    t = torch.full((len(lora_a), M * k, lora_a[0].shape[2]), float("nan"), device=x.device)
-    lora = p.token_lora.long().repeat_interleave(k)
-    for q in range(M * k):
-        l, e = int(lora[q]), int(p.topk_ids.reshape(-1)[q])
-        if l >= 0:
-            for s, a in enumerate(lora_a):
-                t[s, q, :ranks[l]] = a[l, e, :ranks[l]].float() @ rows[q]
-    return t.to(x.dtype)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_lora_expand_in_the_epilogue_reads_only_what_the_shrink_wrote(device, dtype):
     """GemmLoRA(shrunk=T): the GEMM skips the shrink and expands T in its epilogue; T rows of pairs
     without an adapter and ranks past a slot's rank are NaN and must never be read."""
     p = case(device, dtype, 11, 8, seed=5, no_adapter_fraction=0.3, adapter_ranks=(8, 3, 5))
     tl32, ranks = p.token_lora.to(torch.int32), torch.tensor([8, 3, 5], dtype=torch.int32, device=device)
-    t13 = _shrunk(p, p.x, p.w13_lora_a, ranks)
+    t13 = shrink_spec(p, p.x, p.w13_lora_a, ranks)
     out13 = run(p, p.x, p.w13, GemmLoRA(tl32, p.w13_lora_a, p.w13_lora_b, ranks, shrunk=t13), mul=False)
     assert_close(out13, expected(p, p.x, p.w13, p.w13_lora_a, p.w13_lora_b, False, ranks), dtype)
     doubled = run(p, p.x, p.w13, GemmLoRA(tl32, p.w13_lora_a, p.w13_lora_b, ranks, shrunk=2 * t13), mul=False)
     base = expected(p, p.x, p.w13, [torch.zeros_like(a) for a in p.w13_lora_a], p.w13_lora_b, False)
     assert_close(doubled, 2 * out13.float() - base, dtype)      # the GEMM expands the T it is given
     h = torch.randn(11 * SHAPE.top_k, SHAPE.intermediate, device=device, dtype=dtype)
-    t2 = _shrunk(p, h, p.w2_lora_a, ranks)
+    t2 = shrink_spec(p, h, p.w2_lora_a, ranks)
     out2 = run(p, h, p.w2, GemmLoRA(tl32, p.w2_lora_a, p.w2_lora_b, ranks, shrunk=t2), mul=True)
     assert_close(out2, expected(p, h, p.w2, p.w2_lora_a, p.w2_lora_b, True, ranks), dtype)
 

@@ -39,3 +39,18 @@ def join_rows():
     out.append(dict(preset="p", M=512, rank=16, variant="sequential_vllm_join", us_median="", us_p20="",
                     us_p80=""))
     return out
+
+
+def shrink_spec(p, x, lora_a, ranks):
+    """T [S, P, r] = A x per pair with an adapter, below its slot's rank; NaN everywhere else, so a read
+    of anything the shrink does not write fails."""
+    M, k = p.topk_ids.shape
+    rows = x.float().repeat_interleave(k, 0) if x.shape[0] == M else x.float()
+    t = torch.full((len(lora_a), M * k, lora_a[0].shape[2]), float("nan"), device=x.device)
+    lora = p.token_lora.long().repeat_interleave(k)
+    for q in range(M * k):
+        l, e = int(lora[q]), int(p.topk_ids.reshape(-1)[q])
+        if l >= 0:
+            for s, a in enumerate(lora_a):
+                t[s, q, :ranks[l]] = a[l, e, :ranks[l]].float() @ rows[q]
+    return t.to(x.dtype)

@@ -42,8 +42,8 @@ def shrink_kernel(
         return                                           # past the adapter's rank: never read
     expert = tl.load(block_expert_ptr + block)
     a_ptr, _ = slice_pointers(slice_id, a0_ptr, a1_ptr, a0_ptr, a1_ptr)
-    weight = lora.to(tl.int64) * stride_al + expert.to(tl.int64) * stride_ae
-    a_ptr += weight
+    a_off = lora.to(tl.int64) * stride_al + expert.to(tl.int64) * stride_ae      # A[l, e] in either slice
+    a_ptr += a_off
     pairs, valid, x_rows = block_rows(sorted_pairs_ptr, block, num_pairs, top_k, BLOCK_M, TOKEN_ROWS)
 
     offs_r, r_ok = rank_tile(tl.program_id(2) * BLOCK_R, r_lim, BLOCK_R)
@@ -60,7 +60,7 @@ def shrink_kernel(
         a_ok = r_ok[None, :] & k_ok[:, None]
         acc = tl.dot(xk, tl.load(a_ptr + a_tile, mask=a_ok, other=0.0), acc, input_precision=DOT_PRECISION)
         if BOTH_SLICES:                                                                # the same x tile, slice 1's A
-            acc1 = tl.dot(xk, tl.load(a1_ptr + weight + a_tile, mask=a_ok, other=0.0), acc1,
+            acc1 = tl.dot(xk, tl.load(a1_ptr + a_off + a_tile, mask=a_ok, other=0.0), acc1,
                           input_precision=DOT_PRECISION)
     t = t_ptr + slice_id * stride_ts + pairs.to(tl.int64)[:, None] * stride_tm + offs_r[None, :] * stride_tr
     t_ok = valid[:, None] & r_ok[None, :]
