@@ -1,20 +1,30 @@
-"""The layer with w2's LoRA in K: the w2 GEMM runs over [h | T2] and [w2 | B2], no w2 delta, no w2 join.
+"""The layer with LoRA in K: grouped GEMMs over inputs widened by each pair's shrink and weights widened by B.
 
 Shape legend: M tokens, k top-k, E experts, L adapters, r rank, H hidden, I expert intermediate,
-P = M*k pairs.
+P = M*k pairs, S slices.
 
-``pack_w2_in_k`` stores, once per set of adapters, w2_ext [E, H, I + L*r] = [w2 | B2 of slot 0 | ... |
-B2 of slot L-1]. The layer then runs w13 as the two-stream layer does (base GEMM on the main stream,
-w13's LoRA on the side stream, joined before the activation); the activation writes h into the first
-I columns of h_ext [P, I + L*r]; the w2 shrink writes each pair's T2 = A2 h into its adapter's r
-columns of the rest and zeros into every other column (one launch, ``kernels/in_k.py``); and the w2
-GEMM is the plain grouped GEMM over h_ext and w2_ext, which adds T2 B2^T to each pair's output
-inside its pipelined K loop.
+A pair of adapter l computes W x + B_l (A_l x). Widen both operands by L*r columns: x_ext = [x | T]
+with T holding the pair's shrink A_l x in columns l*r .. l*r + r and zeros elsewhere, and W_ext =
+[W | B of every slot] (packed once). Then W_ext x_ext is the base output plus the pair's own LoRA:
+the LoRA rides the GEMM's pipelined K loop as a few more K steps, with no delta buffer and no join.
 
-What it trades: w2's LoRA delta [P, H] is never written or read back and no LoRA kernel runs beside
-the w2 GEMM; in exchange the GEMM's K grows by L*r (every pair multiplies through every slot's
-columns, zeros but its own) and the shrink runs between the activation and the GEMM, on the
-critical path. ``python -m moelora_lab.bench in_k`` measures where that pays.
+``pack_w2_in_k`` stores w2_ext [E, H, I + L*r]; ``pack_w13_in_k`` stores w13_ext [E, 2I, H' + L*r]
+(H' = ``moe.tail_start(H)``: zero columns up to a multiple of 128, so no K step mixes x and T; row n
+of slice s takes B_s's row). Two layers use them:
+
+- ``w2_in_k_layer``: w13 as the two-stream layer runs it (base GEMM on the main stream, w13's LoRA on
+  the side stream, joined before the activation); the activation writes h into the first I columns
+  of h_ext [P, I + L*r]; the w2 shrink writes each pair's T2 = A2 h into its adapter's r columns of
+  the rest and zeros into every other column (one launch, ``kernels/in_k.py``); the w2 GEMM is the
+  plain grouped GEMM over h_ext and w2_ext.
+- ``in_k_layer``: w13's LoRA in K as well, on one stream: the shrink writes T1 [S, P, L*r] of both
+  slices (x read by token), the w13 GEMM reads its last K steps from T1 (the pair's row) instead of
+  x (``moe_gemm(..., x_tail=T1)``), and the activation reads no delta. No LoRA kernel runs beside a
+  GEMM and no delta is written anywhere.
+
+What it trades: the GEMMs' K grows by L*r (every pair multiplies through every slot's columns, zeros
+but its own) and the shrinks run before their GEMMs, on the critical path, where two streams hide
+them beside the base GEMMs. ``python -m moelora_lab.bench in_k`` measures where that pays.
 """
 from __future__ import annotations
 
@@ -26,7 +36,7 @@ from .blocks import LayerPlan
 from .dispatch import choose_config
 from .kernels.in_k import shrink_tail_kernel
 from .layer import IN_GEMM, plan_layer
-from .moe import gemm_tiles, moe_gemm, silu_and_mul, topk_sum
+from .moe import gemm_tiles, moe_gemm, silu_and_mul, tail_start, topk_sum
 from .ops import run_lora
 from .paths import _precision
 from .streams import Streams
@@ -35,50 +45,75 @@ from .validate import check_layer_inputs, check_lora_ranks, check_plan, check_va
 FILL_ROWS = 32        # pairs per zero-filling program of the shrink launch
 
 
+def _pack(w: torch.Tensor, lora_b, at: int, names: tuple, slices: int) -> torch.Tensor:
+    """[E, N, at + L*r]: w, zeros up to column ``at``, then every slot's B (rows of slice s from B_s)."""
+    wn, bn = names
+    if not isinstance(w, torch.Tensor) or w.dim() != 3:
+        raise TypeError(f"{wn}: expected a tensor [E, N, K], got {getattr(w, 'shape', type(w).__name__)}")
+    if (not isinstance(lora_b, (list, tuple)) or len(lora_b) != slices
+            or not all(isinstance(b, torch.Tensor) for b in lora_b)):
+        count = "one tensor [L, E, H, r] (w2 has one slice)" if slices == 1 else "two tensors [L, E, I, r] (gate, up)"
+        raise TypeError(f"{bn}: expected a list of {count}")
+    E, N, K = w.shape
+    for s, b in enumerate(lora_b):
+        if b.dim() != 4 or tuple(b.shape[1:3]) != (E, N // slices) or b.shape[:1] + b.shape[3:] != lora_b[0].shape[:1] + lora_b[0].shape[3:]:
+            raise ValueError(f"{bn}[{s}]: expected [L, {E}, {N // slices}, r] for {wn} of shape {tuple(w.shape)}, "
+                             f"got {tuple(b.shape)}")
+        if b.dtype != w.dtype or b.device != w.device:
+            raise TypeError(f"{bn}[{s}]: expected {w.dtype} on {w.device} like {wn}, got {b.dtype} on {b.device}")
+    b = torch.cat(list(lora_b), dim=2)                                        # [L, E, N, r]
+    L, r = b.shape[0], b.shape[3]
+    ext = w.new_zeros(E, N, at + L * r)
+    ext[:, :, :K] = w
+    ext[:, :, at:] = b.permute(1, 2, 0, 3).reshape(E, N, L * r)
+    return ext
+
+
 def pack_w2_in_k(w2: torch.Tensor, w2_lora_b) -> torch.Tensor:
     """w2_ext [E, H, I + L*r], contiguous: w2 [E, H, I] followed by B2 [L, E, H, r] of every slot
     (column I + l*r + j is rank j of slot l; scaling folded into B as everywhere). Pack again when an
     adapter slot changes."""
-    if not isinstance(w2, torch.Tensor) or w2.dim() != 3:
-        raise TypeError(f"w2: expected a tensor [E, H, I], got {getattr(w2, 'shape', type(w2).__name__)}")
-    if not isinstance(w2_lora_b, (list, tuple)) or len(w2_lora_b) != 1 or not isinstance(w2_lora_b[0], torch.Tensor):
-        raise TypeError("w2_lora_b: expected a list of one tensor [L, E, H, r] (w2 has one slice)")
-    b = w2_lora_b[0]
-    E, H, _ = w2.shape
-    if b.dim() != 4 or tuple(b.shape[1:3]) != (E, H):
-        raise ValueError(f"w2_lora_b[0]: expected [L, {E}, {H}, r] for w2 of shape {tuple(w2.shape)}, got {tuple(b.shape)}")
-    if b.dtype != w2.dtype or b.device != w2.device:
-        raise TypeError(f"w2_lora_b[0]: expected {w2.dtype} on {w2.device} like w2, got {b.dtype} on {b.device}")
-    L, r = b.shape[0], b.shape[3]
-    return torch.cat([w2, b.permute(1, 2, 0, 3).reshape(E, H, L * r)], dim=2).contiguous()
+    return _pack(w2, w2_lora_b, w2.shape[2] if isinstance(w2, torch.Tensor) and w2.dim() == 3 else 0,
+                 ("w2", "w2_lora_b"), 1)
 
 
-def _split(w2_ext, w13, w2_lora_a):
-    """w2 and B2 as views of w2_ext, checked against I (from w13) and L, r (from w2_lora_a)."""
-    if not isinstance(w2_ext, torch.Tensor) or w2_ext.dim() != 3 or not isinstance(w13, torch.Tensor) or w13.dim() != 3:
+def pack_w13_in_k(w13: torch.Tensor, w13_lora_b) -> torch.Tensor:
+    """w13_ext [E, 2I, H' + L*r], contiguous (H' = ``moe.tail_start(H)``): w13 [E, 2I, H], zeros up to
+    column H', then B of every slot: gate rows from w13_lora_b[0], up rows from w13_lora_b[1], each
+    [L, E, I, r]. Pack again when an adapter slot changes."""
+    at = tail_start(w13.shape[2]) if isinstance(w13, torch.Tensor) and w13.dim() == 3 else 0
+    return _pack(w13, w13_lora_b, at, ("w13", "w13_lora_b"), 2)
+
+
+def _split(ext, at: int, cols: int, lora_a, slices: int, names: tuple):
+    """The base weight [E, N, cols] and B [L, E, N/S, r] of each slice, as views of ``ext``."""
+    en, an, pack = names
+    if not isinstance(lora_a, (list, tuple)) or len(lora_a) != slices or getattr(lora_a[0], "dim", lambda: 0)() != 4:
+        raise TypeError(f"{an}: expected a list of {slices} tensor(s) [L, E, r, K]")
+    if not isinstance(ext, torch.Tensor) or ext.dim() != 3:
+        raise TypeError(f"{en}: expected a tensor [E, N, K' + L*r] from {pack}, got "
+                        f"{getattr(ext, 'shape', type(ext).__name__)}")
+    E, N, width = ext.shape
+    L, r = lora_a[0].shape[0], lora_a[0].shape[2]
+    if width != at + L * r or not ext.is_contiguous():
+        raise ValueError(f"{en}: expected a contiguous [E, N, {at} + L*r] = [{E}, {N}, {at + L * r}] (L = {L}, "
+                         f"r = {r} from {an}), got {tuple(ext.shape)}; build it with {pack}")
+    n = N // slices
+    return ext[:, :, :cols], [ext[:, s * n:(s + 1) * n, at:].view(E, n, L, r).permute(2, 0, 1, 3)
+                              for s in range(slices)]
+
+
+def _w2_split(w2_ext, w13, w2_lora_a):
+    if not isinstance(w13, torch.Tensor) or w13.dim() != 3:
         raise TypeError("w13, w2_ext: expected tensors [E, 2I, H] and [E, H, I + L*r] (w2_ext from pack_w2_in_k)")
-    if not isinstance(w2_lora_a, (list, tuple)) or len(w2_lora_a) != 1 or getattr(w2_lora_a[0], "dim", lambda: 0)() != 4:
-        raise TypeError("w2_lora_a: expected a list of one tensor [L, E, r, I]")
-    E, H, width = w2_ext.shape
     I = w13.shape[1] // 2
-    L, r = w2_lora_a[0].shape[0], w2_lora_a[0].shape[2]
-    if width != I + L * r or not w2_ext.is_contiguous():
-        raise ValueError(f"w2_ext: expected a contiguous [E, H, I + L*r] = [{E}, {H}, {I + L * r}] (I = {I} from w13, "
-                         f"L = {L}, r = {r} from w2_lora_a), got {tuple(w2_ext.shape)}; build it with "
-                         "pack_w2_in_k(w2, w2_lora_b)")
-    return w2_ext[:, :, :I], [w2_ext[:, :, I:].view(E, H, L, r).permute(2, 0, 1, 3)]
+    return _split(w2_ext, I, I, w2_lora_a, 1, ("w2_ext", "w2_lora_a", "pack_w2_in_k(w2, w2_lora_b)"))
 
 
-def w2_in_k_layer(x, topk_ids, topk_weights, token_lora, w13, w2_ext, w13_lora_a, w13_lora_b, w2_lora_a, *,
-                  plan: LayerPlan | None = None, dual: bool | None = None, lora_ranks: torch.Tensor | None = None,
-                  validate: bool = True, tracer=None) -> torch.Tensor:
-    """y [M, H] of the MoE layer with LoRA, as :func:`moelora_lab.moe_lora_layer` computes it, with w2's
-    LoRA in the w2 GEMM's K (``w2_ext`` from :func:`pack_w2_in_k`). ``plan``: from ``plan_layer(...,
-    schedule="sequential")`` on these routing tensors (built here if None). ``dual``: w13's LoRA on a
-    side stream (default: on a CUDA GPU; never on the CPU). Other arguments as for the layer."""
-    w2, w2_lora_b = _split(w2_ext, w13, w2_lora_a)
-    M, k, E, H, I, L, r = check_layer_inputs(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a, w13_lora_b,
-                                             w2_lora_a, w2_lora_b)
+def _prepare(x, topk_ids, topk_weights, token_lora, weights, plan, lora_ranks, validate):
+    """Checks shared by both layers (``weights``: w13, w2 and the four LoRA tensors, as the layer takes
+    them); returns the dims, the plan (built here if None) and the ranks on x's device."""
+    M, k, E, H, I, L, r = check_layer_inputs(x, topk_ids, topk_weights, token_lora, *weights)
     ranges = check_lora_ranks(lora_ranks, L, r)
     checked = check_plan(plan, topk_ids, token_lora, E, L, r) if plan is not None else False
     if plan is not None and plan.lora_path in IN_GEMM.values():
@@ -89,56 +124,117 @@ def w2_in_k_layer(x, topk_ids, topk_weights, token_lora, w13, w2_ext, w13_lora_a
     if x.device.type != "cuda" and not INTERPRET:
         raise ValueError(f"x: the layer's Triton kernels need CUDA tensors (got {x.device}); set "
                          "MOELORA_INTERPRET=1 before importing moelora_lab to run them on the CPU")
+    if M and plan is None:
+        with on_device(x):
+            plan = plan_layer(topk_ids, token_lora, E, L, r, hidden=H, intermediate=I, schedule="sequential",
+                              validate=False, lora_ranks=lora_ranks)
+    if lora_ranks is not None:
+        lora_ranks = lora_ranks.to(device=x.device, dtype=torch.int32).contiguous()
+    return (M, k, E, H, I, L, r), plan, lora_ranks
+
+
+def w2_in_k_layer(x, topk_ids, topk_weights, token_lora, w13, w2_ext, w13_lora_a, w13_lora_b, w2_lora_a, *,
+                  plan: LayerPlan | None = None, dual: bool | None = None, lora_ranks: torch.Tensor | None = None,
+                  validate: bool = True, tracer=None) -> torch.Tensor:
+    """y [M, H] of the MoE layer with LoRA, as :func:`moelora_lab.moe_lora_layer` computes it, with w2's
+    LoRA in the w2 GEMM's K (``w2_ext`` from :func:`pack_w2_in_k`). ``plan``: from ``plan_layer(...,
+    schedule="sequential")`` on these routing tensors (built here if None). ``dual``: w13's LoRA on a
+    side stream (default: on a CUDA GPU; never on the CPU). Other arguments as for the layer."""
+    w2, w2_lora_b = _w2_split(w2_ext, w13, w2_lora_a)
+    weights = (w13, w2, w13_lora_a, w13_lora_b, w2_lora_a, w2_lora_b)
+    (M, k, E, H, I, L, r), plan, lora_ranks = _prepare(x, topk_ids, topk_weights, token_lora, weights, plan,
+                                                       lora_ranks, validate)
     gpu = x.device.type == "cuda" and not INTERPRET
     if dual and not gpu:
         raise ValueError("dual: True needs CUDA streams; leave it None (or False) on the CPU")
     if M == 0:
         return x.new_empty(0, H)
-    P, width = M * k, I + L * r
+    P = M * k
     with on_device(x):
-        if plan is None:
-            plan = plan_layer(topk_ids, token_lora, E, L, r, hidden=H, intermediate=I, schedule="sequential",
-                              validate=False, lora_ranks=lora_ranks)
-        if lora_ranks is not None:
-            lora_ranks = lora_ranks.to(device=x.device, dtype=torch.int32).contiguous()
         token_lora32 = token_lora.to(torch.int32).contiguous()
-        weights = topk_weights.reshape(-1).float().contiguous()
         streams = Streams(gpu if dual is None else dual, x.device, tracer)
-        tiles = gemm_tiles(P, E)
         c1 = x.new_empty(P, 2 * I)
-        h_ext = x.new_empty(P, width)
-        c3, y = x.new_empty(P, H), x.new_empty(M, H)
+        h_ext = x.new_empty(P, I + L * r)
         d13 = x.new_empty(M, k, 2 * I)
         fork = streams.fork()
         with streams.stage("base_w13", "main"):
-            moe_gemm(x, w13, plan.base_blocks, c1, top_k=k, tiles=tiles)
+            moe_gemm(x, w13, plan.base_blocks, c1, top_k=k, tiles=gemm_tiles(P, E))
         with streams.side("lora_w13", fork):
             run_lora(x, topk_ids, topk_weights, token_lora, w13_lora_a, w13_lora_b, d13, plan.lora_blocks,
                      plan.lora_path, mul_routed_weight=False, add_inputs=False, lora_ranks=lora_ranks)
         streams.join()
         with streams.stage("act", "main"):
             silu_and_mul(c1, h_ext[:, :I], top_k=k, delta=d13.view(P, 2 * I), token_lora=token_lora32)
-        with streams.stage("shrink_w2", "main"):
-            _shrink_tail(h_ext, w2_lora_a[0], plan, token_lora32, k, H, I, r, lora_ranks)
-        with streams.stage("w2+lora", "main"):
-            moe_gemm(h_ext, w2_ext, plan.base_blocks, c3, top_k=k, topk_weights=weights, tiles=tiles)
-        with streams.stage("sum", "main"):
-            topk_sum(c3, y, top_k=k)
+        return _w2_and_sum(h_ext, w2_ext, w2_lora_a, plan, token_lora32, topk_weights, streams, M, k, H, I, r,
+                           lora_ranks)
+
+
+def in_k_layer(x, topk_ids, topk_weights, token_lora, w13_ext, w2_ext, w13_lora_a, w2_lora_a, *,
+               plan: LayerPlan | None = None, lora_ranks: torch.Tensor | None = None, validate: bool = True,
+               tracer=None) -> torch.Tensor:
+    """y [M, H] of the MoE layer with LoRA, as :func:`moelora_lab.moe_lora_layer` computes it, with both
+    LoRA ops in their GEMMs' K, on one stream (``w13_ext`` from :func:`pack_w13_in_k`, ``w2_ext`` from
+    :func:`pack_w2_in_k`). ``plan``: from ``plan_layer(..., schedule="sequential")`` on these routing
+    tensors (built here if None). Other arguments as for the layer."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise TypeError(f"x: expected a tensor [M, H], got {getattr(x, 'shape', type(x).__name__)}")
+    H = x.shape[1]
+    w13, w13_lora_b = _split(w13_ext, tail_start(H), H, w13_lora_a, 2,
+                             ("w13_ext", "w13_lora_a", "pack_w13_in_k(w13, w13_lora_b)"))
+    w2, w2_lora_b = _w2_split(w2_ext, w13, w2_lora_a)
+    weights = (w13, w2, w13_lora_a, w13_lora_b, w2_lora_a, w2_lora_b)
+    (M, k, E, H, I, L, r), plan, lora_ranks = _prepare(x, topk_ids, topk_weights, token_lora, weights, plan,
+                                                       lora_ranks, validate)
+    if M == 0:
+        return x.new_empty(0, H)
+    P = M * k
+    with on_device(x):
+        x = x.contiguous()
+        token_lora32 = token_lora.to(torch.int32).contiguous()
+        streams = Streams(False, x.device, tracer)
+        t13 = x.new_empty(2, P, L * r)
+        c1, h_ext = x.new_empty(P, 2 * I), x.new_empty(P, I + L * r)
+        with streams.stage("shrink_w13", "main"):
+            _shrink_tail(x, w13_lora_a, plan, token_lora32, k, t13, I, r, lora_ranks, token_rows=True)
+        with streams.stage("w13+lora", "main"):
+            moe_gemm(x, w13_ext, plan.base_blocks, c1, top_k=k, tiles=gemm_tiles(P, E), x_tail=t13)
+        with streams.stage("act", "main"):
+            silu_and_mul(c1, h_ext[:, :I], top_k=k)
+        return _w2_and_sum(h_ext, w2_ext, w2_lora_a, plan, token_lora32, topk_weights, streams, M, k, H, I, r,
+                           lora_ranks)
+
+
+def _w2_and_sum(h_ext, w2_ext, w2_lora_a, plan, token_lora32, topk_weights, streams, M, k, H, I, r, lora_ranks):
+    """The layer from h (in h_ext's first I columns) on: w2's shrink into the tail, the w2 GEMM over
+    h_ext and w2_ext, the top-k sum."""
+    P = M * k
+    c3, y = h_ext.new_empty(P, H), h_ext.new_empty(M, H)
+    weights = topk_weights.reshape(-1).float().contiguous()
+    with streams.stage("shrink_w2", "main"):
+        _shrink_tail(h_ext, w2_lora_a, plan, token_lora32, k, h_ext[:, I:].unsqueeze(0), H, r, lora_ranks)
+    with streams.stage("w2+lora", "main"):
+        moe_gemm(h_ext, w2_ext, plan.base_blocks, c3, top_k=k, topk_weights=weights, tiles=gemm_tiles(P, w2_ext.shape[0]))
+    with streams.stage("sum", "main"):
+        topk_sum(c3, y, top_k=k)
     return y
 
 
-def _shrink_tail(h_ext, a2, plan, token_lora, top_k: int, H: int, I: int, r: int, lora_ranks) -> None:
-    """h_ext's whole tail in one launch: T2 of every pair with an adapter in its slot's columns, zeros
-    in every other column."""
+def _shrink_tail(src, lora_a, plan, token_lora, top_k: int, tail, n_out: int, r: int, lora_ranks, *,
+                 token_rows: bool = False) -> None:
+    """The whole tail [S, P, L*r] (a view: unit column stride) in one launch: the shrink T = A_s src of
+    every pair with an adapter in its slot's columns, zeros in every other column; ``src`` holds one
+    row per pair, or per token with ``token_rows`` (w13's x). Tiles: the LoRA op's shrink tiles
+    (``n_out`` its output columns per slice)."""
     blocks = plan.lora_blocks
-    L, E = a2.shape[0], a2.shape[1]
-    P = h_ext.shape[0]
-    cfg = choose_config("two_kernel", P, min(P, L * E), H, 1, h_ext.device, rank=r)     # the w2 op's shrink tiles
+    S, P, LR = tail.shape
+    L, E, _, K = lora_a[0].shape
+    cfg = choose_config("two_kernel", P, min(P, L * E), n_out, S, src.device, rank=r)
     block_r, rank_tiles = cfg.rank_tiling(r)
     fill = triton.cdiv(P, FILL_ROWS)
-    shrink_tail_kernel[(blocks.num_blocks + fill, rank_tiles)](
-        h_ext, a2, h_ext[:, I:], *blocks.tensors, token_lora, blocks.block_lora if lora_ranks is None else lora_ranks,
-        P, blocks.num_blocks, top_k, I, r, L * r, h_ext.stride(0), *a2.stride(), h_ext.stride(0),
-        BLOCK_M=blocks.block_size, BLOCK_K=cfg.block_k, BLOCK_R=block_r, BLOCK_LR=triton.next_power_of_2(L * r),
-        FILL_ROWS=FILL_ROWS, DOT_PRECISION=_precision(h_ext), HAS_RANKS=lora_ranks is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    shrink_tail_kernel[(blocks.num_blocks + fill, S * rank_tiles)](
+        src, lora_a[0], lora_a[-1], tail, *blocks.tensors, token_lora,
+        blocks.block_lora if lora_ranks is None else lora_ranks,
+        P, blocks.num_blocks, top_k, K, r, LR, rank_tiles, src.stride(0), *lora_a[0].stride(), tail.stride(1),
+        tail.stride(0), BLOCK_M=blocks.block_size, BLOCK_K=cfg.block_k, BLOCK_R=block_r,
+        BLOCK_LR=triton.next_power_of_2(LR), FILL_ROWS=FILL_ROWS, DOT_PRECISION=_precision(src),
+        HAS_RANKS=lora_ranks is not None, TOKEN_ROWS=token_rows, num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -65,7 +65,7 @@ def fused_columns(num_loras: int, rank: int) -> int:
 
 def moe_gemm(x: torch.Tensor, w: torch.Tensor, blocks: BlockList, out: torch.Tensor, *, top_k: int,
              topk_weights: torch.Tensor | None = None, tiles: dict | None = None,
-             lora: GemmLoRA | None = None) -> torch.Tensor:
+             lora: GemmLoRA | None = None, x_tail: torch.Tensor | None = None) -> torch.Tensor:
     """out[p] = (w_p *) (W[e_p] @ x_row(p) + B[l, e_p] @ A[l, e_p] @ x_row(p)) for every pair, over
     expert-sorted ``blocks``; the LoRA term only with ``lora`` and only for pairs whose token has an
     adapter l. Inputs are trusted (the layer validates them).
@@ -74,10 +74,17 @@ def moe_gemm(x: torch.Tensor, w: torch.Tensor, blocks: BlockList, out: torch.Ten
     ``tiles`` may add ``W_TMA``: True loads W tiles by TMA bulk copies (a GPU of compute capability 9.0
     or later, or the interpreter; w contiguous, rows 16-byte aligned; a ValueError otherwise), "auto"
     (the GPU rule's value) wherever that holds and by pointer elsewhere, False by pointer.
+
+    ``x_tail`` [S, P, C] (contiguous, x's dtype) widens every pair's x row by its own row of the tail
+    of its slice (LoRA in K, ``layer_in_k``): w is then [E, N, tail_at + C] with the tail's weights
+    from column tail_at = ``tail_start(x.shape[1])`` on, and slice s owns output columns s*N/S ...
     """
     E, N, K = w.shape
     P = out.shape[0]
     tiles = dict(tiles or gemm_tiles(P, E))
+    if lora is not None and x_tail is not None:
+        raise ValueError("x_tail: the LoRA comes in K or in the GEMM (lora=), not both; pass one of them")
+    tail_at = _check_tail(x, w, x_tail, P, tiles["BLOCK_K"]) if x_tail is not None else K
     if tiles["BLOCK_M"] != blocks.block_size:
         raise ValueError(f"blocks: block size {blocks.block_size} != BLOCK_M {tiles['BLOCK_M']}; build them with "
                          "block_list(..., block_size=gemm_tiles(...)['BLOCK_M'])")
@@ -94,6 +101,8 @@ def moe_gemm(x: torch.Tensor, w: torch.Tensor, blocks: BlockList, out: torch.Ten
         a = b = (w, w)                                  # never read
         L = R = 1
         n_slice, block_lr, a_strides, b_strides = N, 16, (0,) * 4, (0,) * 4
+        if x_tail is not None:
+            n_slice = N // x_tail.shape[0]
     else:
         L, _, R, _ = lora.lora_a[0].shape
         n_slice = lora.lora_b[0].shape[2]
@@ -102,7 +111,8 @@ def moe_gemm(x: torch.Tensor, w: torch.Tensor, blocks: BlockList, out: torch.Ten
         a_strides, b_strides = a[0].stride(), b[0].stride()
     grid = (blocks.num_blocks * (N // n_slice) * triton.cdiv(n_slice, tiles["BLOCK_N"]),)
     has_ranks = lora is not None and lora.lora_ranks is not None
-    t = lora.shrunk if lora is not None and lora.shrunk is not None else None
+    t = lora.shrunk if lora is not None and lora.shrunk is not None else x_tail
+    tail_off = (x_tail.data_ptr() - x.data_ptr()) // x.element_size() if x_tail is not None else 0
     with on_device(x):
         moe_gemm_kernel[grid](
             x, w, w_desc, out, topk_weights if mul else out, blocks.sorted_pairs, blocks.block_expert,
@@ -110,11 +120,42 @@ def moe_gemm(x: torch.Tensor, w: torch.Tensor, blocks: BlockList, out: torch.Ten
             lora.lora_ranks if has_ranks else blocks.block_expert, t if t is not None else w,
             P, top_k, K, N, blocks.num_blocks, L, R, n_slice,
             x.stride(0), x.stride(1), *w.stride(), out.stride(0), out.stride(1), *a_strides, *b_strides,
-            *(t.stride() if t is not None else (0, 0, 0)),
+            *(t.stride() if t is not None else (0, 0, 0)), x.shape[1], tail_at, tail_off,
             BLOCK_LR=block_lr, TOKEN_ROWS=x.shape[0] != P or top_k == 1, MUL_ROUTED_WEIGHT=mul,
-            HAS_LORA=lora is not None, HAS_RANKS=has_ranks, W_TMA=w_tma, T_IN=t is not None,
+            HAS_LORA=lora is not None, HAS_RANKS=has_ranks, W_TMA=w_tma, T_IN=lora is not None and lora.shrunk is not None,
+            X_TAIL=x_tail is not None,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages, **tiles)
     return out
+
+
+TAIL_ALIGN = 128      # the tail's weights start at a multiple of this column (every BLOCK_K of the rules divides it)
+
+
+def tail_start(x_cols: int) -> int:
+    """The column of a widened weight where the tail's weights start: x's columns rounded up to TAIL_ALIGN
+    (the columns between are zeros), so no K step mixes x and the tail."""
+    return triton.cdiv(x_cols, TAIL_ALIGN) * TAIL_ALIGN
+
+
+def _check_tail(x, w, x_tail, P: int, block_k: int) -> int:
+    """tail_at of a GEMM with an x tail, after checking that the tail fits x and w."""
+    E, N, K = w.shape
+    if not isinstance(x_tail, torch.Tensor) or x_tail.dim() != 3 or x_tail.shape[1] != P:
+        raise ValueError(f"x_tail: expected a tensor [S, {P}, C] (one row per pair), got "
+                         f"{getattr(x_tail, 'shape', type(x_tail).__name__)}")
+    S, _, C = x_tail.shape
+    tail_at = tail_start(x.shape[1])
+    if K != tail_at + C or N % S:
+        raise ValueError(f"w: expected [E, N, {tail_at} + {C}] with N divisible by the tail's {S} slices for x of "
+                         f"{x.shape[1]} columns and a tail of {C}, got {tuple(w.shape)}; pack it with "
+                         "layer_in_k.pack_w13_in_k")
+    if x_tail.dtype != x.dtype or x_tail.device != x.device or not x_tail.is_contiguous() or x.stride(1) != 1:
+        raise ValueError("x_tail: expected a contiguous tensor of x's dtype and device, and x with unit column "
+                         "stride (call .contiguous())")
+    if tail_at % block_k or (x_tail.data_ptr() - x.data_ptr()) % x.element_size():
+        raise ValueError(f"tiles: BLOCK_K {block_k} must divide the tail's start {tail_at}, and x_tail be "
+                         "element-aligned with x")
+    return tail_at
 
 
 def _tma_refusal(w: torch.Tensor) -> str | None:

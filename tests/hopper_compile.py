@@ -67,6 +67,9 @@ def main():
     gemm = dict(lora, **ptrs("w_ptr", "w_desc"))        # t_ptr from lora
     gemm_c = dict(BLOCK_N=128, BLOCK_K=64, TOKEN_ROWS=True, MUL_ROUTED_WEIGHT=True, EVEN_K=True, DOT_PRECISION="tf32",
                   W_TMA=False, T_IN=False)
+    tail = dict(ptrs("h_ptr", "a0_ptr", "a1_ptr", "tail_ptr"), sorted_pairs_ptr=i32, block_lora_ptr=i32,
+                block_expert_ptr=i32, token_lora_ptr=i32, lora_ranks_ptr=i32)
+    tail_c = dict(BLOCK_M=16, BLOCK_K=128, BLOCK_R=64, BLOCK_LR=64, FILL_ROWS=32, DOT_PRECISION="tf32", HAS_RANKS=True)
     cases = []
     for tiles, ranks in ((1, False), (2, True), (4, True)):
         cases.append((f"one_shot rank_tiles={tiles} ranks={ranks}", one_shot.one_shot_kernel, lora,
@@ -93,10 +96,8 @@ def main():
          dict(BLOCK=1024, HAS_DELTA=True)),
         ("topk_sum", base_moe.topk_sum_kernel, dict(ptrs("c3_ptr", "delta_ptr", "y_ptr"), token_lora_ptr=i32),
          dict(BLOCK=1024, HAS_DELTA=True)),
-        ("in_k.shrink_tail", in_k.shrink_tail_kernel, dict(ptrs("h_ptr", "a_ptr", "tail_ptr"), sorted_pairs_ptr=i32,
-                                                           block_lora_ptr=i32, block_expert_ptr=i32,
-                                                           token_lora_ptr=i32, lora_ranks_ptr=i32),
-         dict(BLOCK_M=16, BLOCK_K=128, BLOCK_R=64, BLOCK_LR=64, FILL_ROWS=32, DOT_PRECISION="tf32", HAS_RANKS=True)),
+        ("in_k.shrink_tail", in_k.shrink_tail_kernel, tail, dict(tail_c, TOKEN_ROWS=False)),
+        ("in_k.shrink_tail, token rows (w13)", in_k.shrink_tail_kernel, tail, dict(tail_c, TOKEN_ROWS=True)),
         ("combine.gather_sum", combine.gather_sum_kernel, dict(ptrs("rows_ptr", "y_ptr"), pos_ptr="*i64"),
          dict(BLOCK=1024)),
     ]
@@ -136,6 +137,17 @@ def main():
                                                                BOTH_SLICES=True)))
     print(f"shrink of both slices, BLOCK_R 64 -> {both}")
     assert both["stack"] == 0, both
+    # the w13 GEMM whose last K steps read the pair's tail row, at the rule's largest tiles (TMA for W)
+    tma = dict(gemm, w_desc="tensordesc<bf16[256, 64]>")
+    tail_gemm = resources(build(base_moe.moe_gemm_kernel, tma, dict(gemm_c, BLOCK_M=128, BLOCK_N=256, GROUP_M=8,
+                                                                      BLOCK_LR=16, HAS_LORA=False, HAS_RANKS=False,
+                                                                      W_TMA=True, X_TAIL=True),
+                                num_warps=8, num_stages=4))
+    plain_gemm = resources(build(base_moe.moe_gemm_kernel, tma, dict(gemm_c, BLOCK_M=128, BLOCK_N=256, GROUP_M=8,
+                                                                       BLOCK_LR=16, HAS_LORA=False, HAS_RANKS=False,
+                                                                       W_TMA=True), num_warps=8, num_stages=4))
+    print(f"moe_gemm 128 x 256, x tail -> {tail_gemm}; without -> {plain_gemm}")
+    assert tail_gemm["stack"] == 0, tail_gemm
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
-"""w2's LoRA in K: the layer's output as the reference computes it, its kernels alone, its checks."""
+"""LoRA in K (w2's alone, and both w13's and w2's): the layers' output as the reference computes it,
+their kernels alone, their checks."""
 import pytest
 import torch
 
 import moelora_lab as ml
 from moelora_lab.layer import plan_layer
-from moelora_lab.layer_in_k import _shrink_tail, pack_w2_in_k, w2_in_k_layer
-from utils import assert_close, poisoned
+from moelora_lab.layer_in_k import _shrink_tail, in_k_layer, pack_w13_in_k, pack_w2_in_k, w2_in_k_layer
+from moelora_lab.moe import gemm_tiles, moe_gemm, tail_start
+from utils import assert_close, poisoned, shrink_spec
 
 SHAPE = ml.MoEShape(48, 40, 6, 2, "in-k-test")        # I = 40: not a multiple of the blocks
 
@@ -22,27 +24,46 @@ def run(p, **kw):
     return w2_in_k_layer(**args, w2_ext=w2_ext, **kw)
 
 
+def run_both(p, **kw):
+    inputs = p.layer_inputs()
+    exts = dict(w13_ext=pack_w13_in_k(inputs["w13"], inputs["w13_lora_b"]),
+                w2_ext=pack_w2_in_k(inputs["w2"], inputs["w2_lora_b"]))
+    args = {n: inputs[n] for n in ("x", "topk_ids", "topk_weights", "token_lora", "w13_lora_a", "w2_lora_a")}
+    return in_k_layer(**args, **exts, **kw)
+
+
 def dtypes(device):
     return [torch.float32, torch.float16] + ([torch.bfloat16] if device == "cuda" else [])
 
 
 @pytest.mark.parametrize("rank, M, kw", [(8, 9, dict(no_adapter_fraction=0.3)), (5, 20, {}), (16, 1, {}),
                                          (8, 33, dict(no_adapter_fraction=1.0))])
-def test_layer_matches_reference(device, rank, M, kw):
+@pytest.mark.parametrize("layer", [run, run_both], ids=["w2_in_k", "in_k"])
+def test_layer_matches_reference(device, rank, M, kw, layer):
     """Rank not a power of two, a single token, tokens without an adapter, no adapter at all."""
     for dtype in dtypes(device):
         p = problem(device, dtype, M=M, rank=rank, seed=rank + M, **kw)
-        assert_close(run(p), ml.moe_layer_reference(**p.layer_inputs()), dtype)
+        assert_close(layer(p), ml.moe_layer_reference(**p.layer_inputs()), dtype)
 
 
-def test_actual_adapter_ranks_and_a_plan(device):
+@pytest.mark.parametrize("layer", [run, run_both], ids=["w2_in_k", "in_k"])
+def test_actual_adapter_ranks_and_a_plan(device, layer):
     p = problem(device, rank=16, seed=13, adapter_ranks=(3, 16, 5), no_adapter_fraction=0.3)
     ranks = torch.tensor(p.adapter_ranks, device=device)
     plan = plan_layer(p.topk_ids, p.token_lora, SHAPE.num_experts, 3, 16, schedule="sequential")
-    assert_close(run(p, plan=plan, lora_ranks=ranks), ml.moe_layer_reference(**p.layer_inputs()), torch.float32)
+    assert_close(layer(p, plan=plan, lora_ranks=ranks), ml.moe_layer_reference(**p.layer_inputs()), torch.float32)
     fused = plan_layer(p.topk_ids, p.token_lora, SHAPE.num_experts, 3, 16, schedule="epilogue")
     with pytest.raises(ValueError, match="plan: made for an in-GEMM schedule"):
-        run(p, plan=fused)
+        layer(p, plan=fused)
+
+
+def test_no_tokens(device):
+    inputs = problem(device).layer_inputs()
+    args = {n: inputs[n][:0] for n in ("x", "topk_ids", "topk_weights", "token_lora")}
+    exts = dict(w13_ext=pack_w13_in_k(inputs["w13"], inputs["w13_lora_b"]),
+                w2_ext=pack_w2_in_k(inputs["w2"], inputs["w2_lora_b"]))
+    assert in_k_layer(**args, **exts, w13_lora_a=inputs["w13_lora_a"], w2_lora_a=inputs["w2_lora_a"]).shape == \
+        (0, SHAPE.hidden)
 
 
 def test_pack_places_every_slot_after_w2(device):
@@ -56,6 +77,65 @@ def test_pack_places_every_slot_after_w2(device):
         assert torch.equal(ext[:, :, I + slot * r:I + (slot + 1) * r], b[slot])
 
 
+def test_pack_w13_pads_x_columns_then_places_both_slices(device):
+    p = problem(device)
+    w13, (bg, bu) = p.w13, p.w13_lora_b                                   # [E, 2I, H], [L, E, I, r] each
+    ext = pack_w13_in_k(w13, p.w13_lora_b)
+    H, I, at, r = SHAPE.hidden, SHAPE.intermediate, tail_start(SHAPE.hidden), 8
+    assert at == 128 and ext.shape == (6, 2 * I, at + 3 * r) and ext.is_contiguous()
+    assert torch.equal(ext[:, :, :H], w13) and not ext[:, :, H:at].any()
+    for slot in range(3):
+        cols = slice(at + slot * r, at + (slot + 1) * r)
+        assert torch.equal(ext[:, :I, cols], bg[slot]) and torch.equal(ext[:, I:, cols], bu[slot])
+
+
+def test_w13_gemm_reads_its_last_k_steps_from_the_tail(device):
+    """out (poisoned first) = [x_token | T_s[pair]] @ w13_ext[e]^T: x's columns from the token's row,
+    the tail's from the pair's row of its slice (gate columns from T_0, up columns from T_1)."""
+    p = problem(device, M=11, seed=3)
+    M, k = p.topk_ids.shape
+    P, I, LR = M * k, SHAPE.intermediate, 3 * 8
+    ext = pack_w13_in_k(p.w13, p.w13_lora_b)
+    t = torch.randn(2, P, LR, device=device)
+    plain = plan_layer(p.topk_ids, p.token_lora, SHAPE.num_experts, None, None)
+    out = poisoned((P, 2 * I), torch.float32, device)
+    moe_gemm(p.x, ext, plain.base_blocks, out, top_k=k, tiles=gemm_tiles(P, SHAPE.num_experts), x_tail=t)
+    at, e = tail_start(SHAPE.hidden), p.topk_ids.reshape(-1)
+    x_pad = torch.nn.functional.pad(p.x, (0, at - SHAPE.hidden)).repeat_interleave(k, 0)
+    want = torch.empty(P, 2 * I, device=device)
+    for s in range(2):
+        rows = torch.cat([x_pad, t[s]], dim=1)                                          # [P, at + LR]
+        want[:, s * I:(s + 1) * I] = torch.einsum("pk,pnk->pn", rows, ext[e, s * I:(s + 1) * I])
+    assert_close(out, want, torch.float32)
+    with pytest.raises(ValueError, match=r"w: expected \[E, N, 128 \+ 24\].*pack_w13_in_k"):
+        moe_gemm(p.x, p.w13, plain.base_blocks, out, top_k=k, x_tail=t)
+    with pytest.raises(ValueError, match=r"x_tail: expected a tensor \[S, 22, C\]"):
+        moe_gemm(p.x, ext, plain.base_blocks, out, top_k=k, x_tail=t[:, :5])
+    with pytest.raises(ValueError, match="x_tail: expected a contiguous tensor of x's dtype"):
+        moe_gemm(p.x, ext, plain.base_blocks, out, top_k=k, x_tail=t.half())
+
+
+def test_one_launch_writes_both_w13_tails_from_token_rows(device):
+    """T1 [2, P, L*r] (poisoned first): each pair's gate and up shrink of the token's x in its slot's
+    first r_l columns, zeros everywhere else."""
+    p = problem(device, rank=8, seed=7, adapter_ranks=(8, 2, 5), no_adapter_fraction=0.3)
+    M, k = p.topk_ids.shape
+    L, r = 3, 8
+    plan = plan_layer(p.topk_ids, p.token_lora, SHAPE.num_experts, L, r, schedule="sequential")
+    tail = poisoned((2, M * k, L * r), torch.float32, device)
+    ranks = torch.tensor(p.adapter_ranks, device=device, dtype=torch.int32)
+    _shrink_tail(p.x, p.w13_lora_a, plan, p.token_lora.to(torch.int32), k, tail, SHAPE.intermediate, r, ranks,
+                 token_rows=True)
+    compact = shrink_spec(p, p.x, p.w13_lora_a, p.adapter_ranks).nan_to_num(0.0)          # [2, P, r]
+    want = torch.zeros_like(tail)
+    slot = p.token_lora.repeat_interleave(k)
+    for pair in range(M * k):
+        if slot[pair] >= 0:
+            s = int(slot[pair])
+            want[:, pair, s * r:(s + 1) * r] = compact[:, pair]
+    assert_close(tail, want, torch.float32)
+
+
 def test_one_launch_writes_the_whole_tail(device):
     """Every tail element is written (poisoned first): each pair's shrink in its slot's first r_l
     columns, zeros everywhere else (the other slots, ranks past r_l, pairs without an adapter)."""
@@ -66,7 +146,8 @@ def test_one_launch_writes_the_whole_tail(device):
     h = torch.randn(M * k, I, device=device)
     h_ext = torch.cat([h, poisoned((M * k, L * r), torch.float32, device)], dim=1)
     ranks = torch.tensor(p.adapter_ranks, device=device, dtype=torch.int32)
-    _shrink_tail(h_ext, p.w2_lora_a[0], plan, p.token_lora.to(torch.int32), k, SHAPE.hidden, I, r, ranks)
+    _shrink_tail(h_ext, p.w2_lora_a, plan, p.token_lora.to(torch.int32), k, h_ext[:, I:].unsqueeze(0), SHAPE.hidden,
+                 r, ranks)
     want = torch.zeros(M * k, L * r, device=device)
     slot = p.token_lora.repeat_interleave(k)
     expert = p.topk_ids.reshape(-1)
@@ -83,7 +164,7 @@ def test_bad_inputs_name_the_argument(device):
     inputs = p.layer_inputs()
     args = {n: inputs[n] for n in ("x", "topk_ids", "topk_weights", "token_lora", "w13", "w13_lora_a", "w13_lora_b",
                                    "w2_lora_a")}
-    with pytest.raises(ValueError, match=r"w2_ext: expected a contiguous \[E, H, I \+ L\*r\] = \[6, 48, 64\].*"
+    with pytest.raises(ValueError, match=r"w2_ext: expected a contiguous \[E, N, 40 \+ L\*r\] = \[6, 48, 64\].*"
                                          "pack_w2_in_k"):
         w2_in_k_layer(**args, w2_ext=inputs["w2"])                       # the base weight, not packed
     with pytest.raises(TypeError, match="w2_lora_b: expected a list of one tensor"):
@@ -93,3 +174,10 @@ def test_bad_inputs_name_the_argument(device):
     if device == "cpu":
         with pytest.raises(ValueError, match="dual: True needs CUDA streams"):
             run(p, dual=True)
+    both = {n: inputs[n] for n in ("x", "topk_ids", "topk_weights", "token_lora", "w13_lora_a", "w2_lora_a")}
+    w2_ext = pack_w2_in_k(inputs["w2"], inputs["w2_lora_b"])
+    with pytest.raises(ValueError, match=r"w13_ext: expected a contiguous \[E, N, 128 \+ L\*r\] = \[6, 80, 152\]"
+                                         ".*pack_w13_in_k"):
+        in_k_layer(**both, w13_ext=inputs["w13"], w2_ext=w2_ext)
+    with pytest.raises(TypeError, match=r"w13_lora_b: expected a list of two tensors \[L, E, I, r\]"):
+        pack_w13_in_k(inputs["w13"], inputs["w13_lora_b"][:1])

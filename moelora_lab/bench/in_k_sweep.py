@@ -1,15 +1,18 @@
-"""``python -m moelora_lab.bench in_k``: w2's LoRA in K (``layer_in_k``) against the two-stream layer.
+"""``python -m moelora_lab.bench in_k``: the LoRA in the GEMMs' K (``layer_in_k``) against the two-stream layer.
 
 Per (preset, rank, M), timed together in interleaved rounds (CUDA-graph replays, L2 flushed):
 
   no_lora        the layer without LoRA
   dual_stream    the layer with LoRA, both LoRA ops on the side stream (the default on a GPU)
   w2_in_k        w13's LoRA on the side stream, w2's in the w2 GEMM's K (``w2_in_k_layer``)
+  in_k           both LoRA ops in their GEMMs' K, one stream (``in_k_layer``)
+  w13_gemm       the plain w13 GEMM over x [M, H]
+  w13_gemm_in_k  the same GEMM with its last K steps from T1 [2, P, L*r] and w13_ext: what the wider K costs
   w2_gemm        the plain w2 GEMM over h [P, I]
   w2_gemm_in_k   the same GEMM over h_ext [P, I + L*r] and w2_ext: what the wider K costs
 
-``w2_in_k`` must agree with ``dual_stream`` before anything is timed. Routing plans are built once,
-outside the timed region, as in ``bench layer``.
+``w2_in_k`` and ``in_k`` must agree with ``dual_stream`` before anything is timed. Routing plans are
+built once, outside the timed region, as in ``bench layer``.
 
 Shape legend: M tokens, E experts, k top-k, L adapters, r rank, H hidden, I expert intermediate.
 """
@@ -19,18 +22,18 @@ import torch
 
 from ..config import MoEShape, layer_lora_weights
 from ..layer import moe_lora_layer, plan_layer
-from ..layer_in_k import pack_w2_in_k, w2_in_k_layer
+from ..layer_in_k import in_k_layer, pack_w13_in_k, pack_w2_in_k, w2_in_k_layer
 from ..moe import gemm_tiles, moe_gemm
 from ..profile import timing
 from .common import base_weights, device, progress, seeded_generator, sweep_parser, sweep_routing
 
 NAME = "in_k"
 ROUNDS = 3
-VARIANTS = ("no_lora", "dual_stream", "w2_in_k", "w2_gemm", "w2_gemm_in_k")
+VARIANTS = ("no_lora", "dual_stream", "w2_in_k", "in_k", "w13_gemm", "w13_gemm_in_k", "w2_gemm", "w2_gemm_in_k")
 
 
 def add_parser(sub):
-    sweep_parser(sub, NAME, "the layer with w2's LoRA in the w2 GEMM's K against two streams",
+    sweep_parser(sub, NAME, "the layer with the LoRA in the GEMMs' K against two streams",
                  name="layer_in_k", tokens=(1, 16, 128, 512, 2048, 8192), ranks=(16, 64))
 
 
@@ -46,30 +49,39 @@ def run(args) -> list[dict]:
         for rank, M in progress([(r, m) for r in args.ranks for m in args.tokens], desc=NAME, unit="case"):
             lora = layer_lora_weights(shape, L, rank, gen, dtype)
             w2_ext = pack_w2_in_k(w2, lora["w2_lora_b"])
+            w13_ext = pack_w13_in_k(w13, lora["w13_lora_b"])
             ids, tw, tl = sweep_routing(shape, L, M, args.seed)
             x = torch.randn(M, H, device=device(), generator=gen, dtype=dtype)
             plan = plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I, schedule="sequential")
             plain = plan_layer(ids, tl, E, None, None)
             base = (x, ids, tw, tl, w13, w2)
             in_k = dict(w13_lora_a=lora["w13_lora_a"], w13_lora_b=lora["w13_lora_b"], w2_lora_a=lora["w2_lora_a"])
+            both = dict(w13_lora_a=lora["w13_lora_a"], w2_lora_a=lora["w2_lora_a"])
             P = M * k
             h = torch.randn(P, I, device=device(), generator=gen, dtype=dtype)
             h_ext = torch.randn(P, I + L * rank, device=device(), generator=gen, dtype=dtype)
             c3 = torch.empty(P, H, device=device(), dtype=dtype)
+            c1 = torch.empty(P, 2 * I, device=device(), dtype=dtype)
+            t13 = torch.randn(2, P, L * rank, device=device(), generator=gen, dtype=dtype)
             tiles, wflat = gemm_tiles(P, E), tw.reshape(-1).float().contiguous()
             fns = {
                 "no_lora": lambda: moe_lora_layer(*base, plan=plain),
                 "dual_stream": lambda: moe_lora_layer(*base, **lora, schedule="dual_stream", plan=plan),
                 "w2_in_k": lambda: w2_in_k_layer(x, ids, tw, tl, w13, w2_ext, **in_k, plan=plan),
+                "in_k": lambda: in_k_layer(x, ids, tw, tl, w13_ext, w2_ext, **both, plan=plan),
+                "w13_gemm": lambda: moe_gemm(x, w13, plain.base_blocks, c1, top_k=k, tiles=tiles),
+                "w13_gemm_in_k": lambda: moe_gemm(x, w13_ext, plain.base_blocks, c1, top_k=k, tiles=tiles, x_tail=t13),
                 "w2_gemm": lambda: moe_gemm(h, w2, plain.base_blocks, c3, top_k=k, topk_weights=wflat, tiles=tiles),
                 "w2_gemm_in_k": lambda: moe_gemm(h_ext, w2_ext, plain.base_blocks, c3, top_k=k, topk_weights=wflat,
                                                  tiles=tiles),
             }
-            want, got = fns["dual_stream"]().float(), fns["w2_in_k"]().float()
+            want = fns["dual_stream"]().float()
             tol = 2e-2 if dtype != torch.float32 else 1e-4
-            if not torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max())):
-                raise RuntimeError(f"{preset} M={M} r={rank}: w2_in_k differs from dual_stream "
-                                   f"(largest difference {float((got - want).abs().max()):.3g})")
+            for name in ("w2_in_k", "in_k"):
+                got = fns[name]().float()
+                if not torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max())):
+                    raise RuntimeError(f"{preset} M={M} r={rank}: {name} differs from dual_stream "
+                                       f"(largest difference {float((got - want).abs().max()):.3g})")
             timed = timing.time_cuda_interleaved(fns, rounds=ROUNDS)
             for name in VARIANTS:
                 t = timed[name]
@@ -77,6 +89,6 @@ def run(args) -> list[dict]:
                     raise RuntimeError(f"{preset} M={M} r={rank} {name}: {t}")
                 rows.append(dict(preset=preset, M=M, rank=rank, loras=L, variant=name, us_median=round(t.median_us, 2),
                                  us_p20=round(t.p20_us, 2), us_p80=round(t.p80_us, 2), **prov))
-            del lora, w2_ext
+            del lora, w2_ext, w13_ext
             torch.cuda.empty_cache()
     return rows

@@ -55,19 +55,25 @@ def moe_gemm_kernel(
     stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_om, stride_on,
     stride_al, stride_ae, stride_ar, stride_ak, stride_bl, stride_be, stride_bn, stride_br,
     stride_ts, stride_tp, stride_tr,
+    x_cols,            # X_TAIL: x's own columns (<= tail_at); K - tail_at tail columns follow
+    tail_at,           # X_TAIL: the K step where the tail starts (a multiple of BLOCK_K)
+    tail_off,          # X_TAIL: the tail T [S, P, K - tail_at] as an element offset from x_ptr (unit column stride)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_LR: tl.constexpr,           # >= L*r: the stacked (adapter, rank) columns of the LoRA shrink
     TOKEN_ROWS: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_LORA: tl.constexpr, HAS_RANKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     W_TMA: tl.constexpr,              # W tiles through the tensor memory accelerator (Hopper and later)
     T_IN: tl.constexpr,               # with HAS_LORA: read the shrink from t_ptr, expand before the K loop
+    X_TAIL: tl.constexpr = False,     # K steps from tail_at on read the pair's row of T (LoRA in K), not x
 ):
     """Program (block, N tile): out[rows, n-tile] = (w *) (X[rows] @ W[e, n-tile]^T + LoRA of each row).
 
     Programs are numbered GROUP_M blocks at a time, N tiles inside a group, so neighbours in time
     share x rows (and, with HAS_LORA, the block's A rows) through L2. With W_TMA the W tile is one
     bulk copy of BLOCK_N rows of the [E*N, K] view (rows past the tile's N are read but never stored;
-    rows and columns past the tensor arrive as zeros).
+    rows and columns past the tensor arrive as zeros). With X_TAIL, x is widened by each pair's own
+    row of T: one K loop whose steps past tail_at read T (pair rows) instead of x (token rows), by
+    switching the rows' offsets, so the LoRA rides the same pipeline (x's columns unit-strided).
     """
     pid = tl.program_id(0)
     slice_tiles = tl.cdiv(n_slice, BLOCK_N)           # N tiles never straddle two slices
@@ -110,9 +116,17 @@ def moe_gemm_kernel(
         acc = _expand(acc, t, hit, col_ok, col_l, col_r, b_ptr, expert, n_local, n_ok, stride_be, stride_bl,
                       stride_br, stride_bn, x_ptr.dtype.element_ty, DOT_PRECISION)
     w_row0 = expert * N + slice_id * n_slice + (pid_n % slice_tiles) * BLOCK_N      # the tile's first W row
+    if X_TAIL:
+        x_off = x_rows.to(tl.int64) * stride_xm                                               # [BM]
+        t_off = tail_off + slice_id.to(tl.int64) * stride_ts + pairs.to(tl.int64) * stride_tp   # [BM]
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
-        if EVEN_K:
+        if X_TAIL:
+            tail = k0 >= tail_at
+            cols = tl.where(tail, ks - tail_at, ks)
+            xk = tl.load(x_ptr + tl.where(tail, t_off, x_off)[:, None] + cols[None, :],
+                         mask=valid[:, None] & (cols < tl.where(tail, K - tail_at, x_cols))[None, :], other=0.0)
+        elif EVEN_K:
             xk = tl.load(x_base + ks[None, :] * stride_xk, mask=valid[:, None], other=0.0)
         else:
             xk = tl.load(x_base + ks[None, :] * stride_xk, mask=valid[:, None] & (ks < K)[None, :], other=0.0)

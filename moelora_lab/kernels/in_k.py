@@ -1,7 +1,7 @@
-"""w2's LoRA in K: the kernels that put the shrink of each pair into the w2 GEMM's own input.
+"""LoRA in K: the kernel that puts the shrink of each pair into a grouped GEMM's own input.
 
-Shape legend: M tokens, k top-k, E experts, L adapters, r rank, I expert intermediate, P = M*k pairs,
-BM = BLOCK_M pairs per block, B blocks.
+Shape legend: M tokens, k top-k, E experts, L adapters, r rank, K in (H for w13, I for w2), S slices,
+P = M*k pairs, BM = BLOCK_M pairs per block, B blocks.
 
 The w2 GEMM computes h @ w2^T per pair. Widen both operands by L*r columns: h_ext = [h | T2] with T2
 holding, for a pair of adapter l, its shrink A2[l, e] h in columns l*r .. l*r + r and zeros
@@ -14,11 +14,15 @@ The activation (``base_moe.silu_and_mul_kernel``) writes h into the first I colu
 columns (one program per block of pairs of one adapter and expert, as the two-kernel path's shrink),
 zeros everywhere else (fill programs over all pairs, which skip exactly the columns a block program
 writes, so no element is written twice).
+
+w13 works the same way with two differences: its input x has one row per token, so the tail T1
+[S, P, L*r] (one per slice: gate, up) lives in its own buffer and the GEMM reads its last K steps
+from there (``moe_gemm_kernel``'s X_TAIL), and the shrink reads x by token (TOKEN_ROWS).
 """
 import triton
 import triton.language as tl
 
-from .common import block_rows, rank_tile, slot_rank
+from .common import block_rows, rank_tile, slice_pointers, slot_rank
 
 
 @triton.jit
@@ -41,22 +45,25 @@ def _fill(tail_ptr, token_lora_ptr, lora_ranks_ptr, f, num_pairs, top_k, R, LR, 
 
 @triton.jit
 def shrink_tail_kernel(
-    h_ptr,             # [P, >= I] activations (the first I columns of h_ext), x's dtype
-    a_ptr,             # LoRA A of w2: [L, E, r, I], x's dtype
-    tail_ptr,          # [P, L*r] view of h_ext's tail (row stride stride_tm), x's dtype; every element written
+    h_ptr,             # [P, >= K] (w2: h, the first I columns of h_ext) or [M, K] (TOKEN_ROWS: w13's x)
+    a0_ptr, a1_ptr,    # LoRA A of slices 0 and 1: [L, E, r, K] (K = I for w2, H for w13), h's dtype (slice 0 twice when S == 1)
+    tail_ptr,          # [S, P, L*r] (row stride stride_tm, slice stride stride_ts), h's dtype; every element written
     sorted_pairs_ptr, block_lora_ptr, block_expert_ptr,   # BlockList by (adapter, expert): [B*BM], [B], [B]
     token_lora_ptr,    # [M] int32/int64 adapter of each token, -1 = none
     lora_ranks_ptr,    # [L] int32 actual rank of each slot (read if HAS_RANKS)
-    num_pairs, num_blocks, top_k, I, R, LR,
-    stride_hm, stride_al, stride_ae, stride_ar, stride_ak, stride_tm,
+    num_pairs, num_blocks, top_k, K, R, LR, rank_tiles,
+    stride_hm, stride_al, stride_ae, stride_ar, stride_ak, stride_tm, stride_ts,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_LR: tl.constexpr,
-    FILL_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_RANKS: tl.constexpr,
+    FILL_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_RANKS: tl.constexpr, TOKEN_ROWS: tl.constexpr = False,
 ):
-    """Program (block, rank tile): tail[rows, l*R + r-tile] = h[rows] @ A[l, e, r-tile]^T. Programs
-    past the blocks (rank tile 0 only): zeros into FILL_ROWS pairs' tails, but for their own columns."""
+    """Program (block, slice * rank tiles + rank tile): tail[s, rows, l*R + r-tile] = h[rows] @ A_s[l, e,
+    r-tile]^T. Programs past the blocks (rank tile 0 of each slice): zeros into FILL_ROWS pairs' tails of
+    their slice, but for their own columns."""
     block = tl.program_id(0)
+    slice_id, rt = tl.program_id(1) // rank_tiles, tl.program_id(1) % rank_tiles
+    tail_ptr += slice_id.to(tl.int64) * stride_ts
     if block >= num_blocks:
-        if tl.program_id(1) == 0:
+        if rt == 0:
             _fill(tail_ptr, token_lora_ptr, lora_ranks_ptr, block - num_blocks, num_pairs, top_k, R, LR, stride_tm,
                   BLOCK_LR, FILL_ROWS, HAS_RANKS)
         return
@@ -64,17 +71,18 @@ def shrink_tail_kernel(
     if lora < 0:
         return
     r_lim = slot_rank(lora_ranks_ptr, lora, R, HAS_RANKS)
-    if tl.program_id(1) * BLOCK_R >= r_lim:
+    if rt * BLOCK_R >= r_lim:
         return                                           # past the adapter's rank: the tail keeps its zeros
     expert = tl.load(block_expert_ptr + block)
+    a_ptr, _ = slice_pointers(slice_id, a0_ptr, a1_ptr, a0_ptr, a1_ptr)
     a = a_ptr + lora.to(tl.int64) * stride_al + expert.to(tl.int64) * stride_ae
-    pairs, valid, rows = block_rows(sorted_pairs_ptr, block, num_pairs, 1, BLOCK_M, False)
-    offs_r, r_ok = rank_tile(tl.program_id(1) * BLOCK_R, r_lim, BLOCK_R)
+    pairs, valid, rows = block_rows(sorted_pairs_ptr, block, num_pairs, top_k, BLOCK_M, TOKEN_ROWS)
+    offs_r, r_ok = rank_tile(rt * BLOCK_R, r_lim, BLOCK_R)
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
-        k_ok = ks < I
+        k_ok = ks < K
         hk = tl.load(h_ptr + rows.to(tl.int64)[:, None] * stride_hm + ks[None, :], mask=valid[:, None] & k_ok[None, :],
                      other=0.0)                                                          # [BM, BK]
         ak = tl.load(a + offs_r[None, :] * stride_ar + ks[:, None] * stride_ak, mask=r_ok[None, :] & k_ok[:, None],
