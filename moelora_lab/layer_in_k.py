@@ -34,15 +34,17 @@ import triton
 from ._backend import INTERPRET, on_device
 from .blocks import LayerPlan
 from .dispatch import choose_config
-from .kernels.in_k import shrink_tail_kernel
+from .kernels.in_k import act_shrink_kernel, shrink_tail_kernel
 from .layer import IN_GEMM, plan_layer
-from .moe import gemm_tiles, moe_gemm, silu_and_mul, tail_start, topk_sum
+from .moe import MAX_FUSED_COLUMNS, fused_columns, gemm_tiles, moe_gemm, silu_and_mul, tail_start, topk_sum
 from .ops import run_lora
 from .paths import _precision
 from .streams import Streams
 from .validate import check_layer_inputs, check_lora_ranks, check_plan, check_values, routing_ranges
 
 FILL_ROWS = 32        # pairs per zero-filling program of the shrink launch
+ACT_BLOCK_K = 64      # h columns per step of the activation + w2 shrink pass
+W13_ONE_READ = True   # in_k_layer's w13 shrink writes both slices from one read of x
 
 
 def _pack(w: torch.Tensor, lora_b, at: int, names: tuple, slices: int) -> torch.Tensor:
@@ -163,10 +165,9 @@ def w2_in_k_layer(x, topk_ids, topk_weights, token_lora, w13, w2_ext, w13_lora_a
             run_lora(x, topk_ids, topk_weights, token_lora, w13_lora_a, w13_lora_b, d13, plan.lora_blocks,
                      plan.lora_path, mul_routed_weight=False, add_inputs=False, lora_ranks=lora_ranks)
         streams.join()
-        with streams.stage("act", "main"):
-            silu_and_mul(c1, h_ext[:, :I], top_k=k, delta=d13.view(P, 2 * I), token_lora=token_lora32)
-        return _w2_and_sum(h_ext, w2_ext, w2_lora_a, plan, token_lora32, topk_weights, streams, M, k, H, I, r,
-                           lora_ranks)
+        _act_and_shrink(c1, d13.view(P, 2 * I), h_ext, w2_lora_a[0], plan, token_lora32, streams, k, H, I, r,
+                        lora_ranks)
+        return _w2_and_sum(h_ext, w2_ext, plan, token_lora32, topk_weights, streams, M, k, H)
 
 
 def in_k_layer(x, topk_ids, topk_weights, token_lora, w13_ext, w2_ext, w13_lora_a, w2_lora_a, *,
@@ -195,46 +196,71 @@ def in_k_layer(x, topk_ids, topk_weights, token_lora, w13_ext, w2_ext, w13_lora_
         t13 = x.new_empty(2, P, L * r)
         c1, h_ext = x.new_empty(P, 2 * I), x.new_empty(P, I + L * r)
         with streams.stage("shrink_w13", "main"):
-            _shrink_tail(x, w13_lora_a, plan, token_lora32, k, t13, I, r, lora_ranks, token_rows=True)
+            _shrink_tail(x, w13_lora_a, plan, token_lora32, k, t13, I, r, lora_ranks, token_rows=True,
+                         one_read=W13_ONE_READ)
         with streams.stage("w13+lora", "main"):
             moe_gemm(x, w13_ext, plan.base_blocks, c1, top_k=k, tiles=gemm_tiles(P, E), x_tail=t13)
+        _act_and_shrink(c1, None, h_ext, w2_lora_a[0], plan, token_lora32, streams, k, H, I, r, lora_ranks)
+        return _w2_and_sum(h_ext, w2_ext, plan, token_lora32, topk_weights, streams, M, k, H)
+
+
+def _act_and_shrink(c1, delta, h_ext, a2, plan, token_lora32, streams, k: int, H: int, I: int, r: int,
+                    lora_ranks) -> None:
+    """h_ext = [h | T2]: the activation (with w13's delta where given) and w2's shrink of every pair,
+    in one pass over the base GEMM's blocks while the block's stacked adapter columns fit
+    ``moe.MAX_FUSED_COLUMNS`` (``kernels/in_k.act_shrink_kernel``); otherwise the activation, then the
+    shrink of the LoRA blocks (``shrink_tail_kernel``)."""
+    L, E = a2.shape[0], a2.shape[1]
+    if fused_columns(L, r) > MAX_FUSED_COLUMNS:
         with streams.stage("act", "main"):
-            silu_and_mul(c1, h_ext[:, :I], top_k=k)
-        return _w2_and_sum(h_ext, w2_ext, w2_lora_a, plan, token_lora32, topk_weights, streams, M, k, H, I, r,
-                           lora_ranks)
+            silu_and_mul(c1, h_ext[:, :I], top_k=k, delta=delta, token_lora=token_lora32 if delta is not None else None)
+        with streams.stage("shrink_w2", "main"):
+            _shrink_tail(h_ext, [a2], plan, token_lora32, k, h_ext[:, I:].unsqueeze(0), H, r, lora_ranks)
+        return
+    blocks = plan.base_blocks
+    bm = blocks.block_size
+    ranks = lora_ranks if lora_ranks is not None else blocks.block_expert        # never read without ranks
+    with streams.stage("act+shrink_w2", "main"):
+        act_shrink_kernel[(blocks.num_blocks,)](
+            c1, delta if delta is not None else c1, a2, h_ext, blocks.sorted_pairs, blocks.block_expert, token_lora32,
+            ranks, h_ext.shape[0], k, I, r, L, c1.stride(0), delta.stride(0) if delta is not None else 0,
+            h_ext.stride(0), *a2.stride(), BLOCK_M=bm, BLOCK_K=ACT_BLOCK_K, BLOCK_LR=fused_columns(L, r),
+            DOT_PRECISION=_precision(h_ext), HAS_DELTA=delta is not None, HAS_RANKS=lora_ranks is not None,
+            num_warps=8 if bm >= 128 and not INTERPRET else 4, num_stages=1 if INTERPRET else 2)
 
 
-def _w2_and_sum(h_ext, w2_ext, w2_lora_a, plan, token_lora32, topk_weights, streams, M, k, H, I, r, lora_ranks):
-    """The layer from h (in h_ext's first I columns) on: w2's shrink into the tail, the w2 GEMM over
-    h_ext and w2_ext, the top-k sum."""
+def _w2_and_sum(h_ext, w2_ext, plan, token_lora32, topk_weights, streams, M: int, k: int, H: int):
+    """The layer from h_ext = [h | T2] on: the w2 GEMM over h_ext and w2_ext, the top-k sum."""
     P = M * k
     c3, y = h_ext.new_empty(P, H), h_ext.new_empty(M, H)
     weights = topk_weights.reshape(-1).float().contiguous()
-    with streams.stage("shrink_w2", "main"):
-        _shrink_tail(h_ext, w2_lora_a, plan, token_lora32, k, h_ext[:, I:].unsqueeze(0), H, r, lora_ranks)
     with streams.stage("w2+lora", "main"):
-        moe_gemm(h_ext, w2_ext, plan.base_blocks, c3, top_k=k, topk_weights=weights, tiles=gemm_tiles(P, w2_ext.shape[0]))
+        moe_gemm(h_ext, w2_ext, plan.base_blocks, c3, top_k=k, topk_weights=weights,
+                 tiles=gemm_tiles(P, w2_ext.shape[0]))
     with streams.stage("sum", "main"):
         topk_sum(c3, y, top_k=k)
     return y
 
 
 def _shrink_tail(src, lora_a, plan, token_lora, top_k: int, tail, n_out: int, r: int, lora_ranks, *,
-                 token_rows: bool = False) -> None:
+                 token_rows: bool = False, one_read: bool = False) -> None:
     """The whole tail [S, P, L*r] (a view: unit column stride) in one launch: the shrink T = A_s src of
     every pair with an adapter in its slot's columns, zeros in every other column; ``src`` holds one
-    row per pair, or per token with ``token_rows`` (w13's x). Tiles: the LoRA op's shrink tiles
-    (``n_out`` its output columns per slice)."""
+    row per pair, or per token with ``token_rows`` (w13's x); ``one_read`` (two slices): one program
+    writes both slices' tile from one read of its rows. Tiles: the LoRA op's shrink tiles (``n_out``
+    its output columns per slice)."""
     blocks = plan.lora_blocks
     S, P, LR = tail.shape
     L, E, _, K = lora_a[0].shape
     cfg = choose_config("two_kernel", P, min(P, L * E), n_out, S, src.device, rank=r)
     block_r, rank_tiles = cfg.rank_tiling(r)
     fill = triton.cdiv(P, FILL_ROWS)
-    shrink_tail_kernel[(blocks.num_blocks + fill, S * rank_tiles)](
+    both = one_read and S == 2
+    shrink_tail_kernel[(blocks.num_blocks + fill, (1 if both else S) * rank_tiles)](
         src, lora_a[0], lora_a[-1], tail, *blocks.tensors, token_lora,
         blocks.block_lora if lora_ranks is None else lora_ranks,
         P, blocks.num_blocks, top_k, K, r, LR, rank_tiles, src.stride(0), *lora_a[0].stride(), tail.stride(1),
         tail.stride(0), BLOCK_M=blocks.block_size, BLOCK_K=cfg.block_k, BLOCK_R=block_r,
         BLOCK_LR=triton.next_power_of_2(LR), FILL_ROWS=FILL_ROWS, DOT_PRECISION=_precision(src),
-        HAS_RANKS=lora_ranks is not None, TOKEN_ROWS=token_rows, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        HAS_RANKS=lora_ranks is not None, TOKEN_ROWS=token_rows, BOTH_SLICES=both, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)

@@ -5,7 +5,9 @@ import torch
 
 import moelora_lab as ml
 from moelora_lab.layer import plan_layer
-from moelora_lab.layer_in_k import _shrink_tail, in_k_layer, pack_w13_in_k, pack_w2_in_k, w2_in_k_layer
+from moelora_lab.layer_in_k import (_act_and_shrink, _shrink_tail, in_k_layer, pack_w13_in_k, pack_w2_in_k,
+                                    w2_in_k_layer)
+from moelora_lab.streams import Streams
 from moelora_lab.moe import gemm_tiles, moe_gemm, tail_start
 from utils import assert_close, poisoned, shrink_spec
 
@@ -37,7 +39,7 @@ def dtypes(device):
 
 
 @pytest.mark.parametrize("rank, M, kw", [(8, 9, dict(no_adapter_fraction=0.3)), (5, 20, {}), (16, 1, {}),
-                                         (8, 33, dict(no_adapter_fraction=1.0))])
+                                         (8, 33, dict(no_adapter_fraction=1.0)), (48, 7, {})])
 @pytest.mark.parametrize("layer", [run, run_both], ids=["w2_in_k", "in_k"])
 def test_layer_matches_reference(device, rank, M, kw, layer):
     """Rank not a power of two, a single token, tokens without an adapter, no adapter at all."""
@@ -115,9 +117,10 @@ def test_w13_gemm_reads_its_last_k_steps_from_the_tail(device):
         moe_gemm(p.x, ext, plain.base_blocks, out, top_k=k, x_tail=t.half())
 
 
-def test_one_launch_writes_both_w13_tails_from_token_rows(device):
+@pytest.mark.parametrize("one_read", [False, True], ids=["per slice", "one read"])
+def test_one_launch_writes_both_w13_tails_from_token_rows(device, one_read):
     """T1 [2, P, L*r] (poisoned first): each pair's gate and up shrink of the token's x in its slot's
-    first r_l columns, zeros everywhere else."""
+    first r_l columns, zeros everywhere else; the same with one program per block for both slices."""
     p = problem(device, rank=8, seed=7, adapter_ranks=(8, 2, 5), no_adapter_fraction=0.3)
     M, k = p.topk_ids.shape
     L, r = 3, 8
@@ -125,7 +128,7 @@ def test_one_launch_writes_both_w13_tails_from_token_rows(device):
     tail = poisoned((2, M * k, L * r), torch.float32, device)
     ranks = torch.tensor(p.adapter_ranks, device=device, dtype=torch.int32)
     _shrink_tail(p.x, p.w13_lora_a, plan, p.token_lora.to(torch.int32), k, tail, SHAPE.intermediate, r, ranks,
-                 token_rows=True)
+                 token_rows=True, one_read=one_read)
     compact = shrink_spec(p, p.x, p.w13_lora_a, p.adapter_ranks).nan_to_num(0.0)          # [2, P, r]
     want = torch.zeros_like(tail)
     slot = p.token_lora.repeat_interleave(k)
@@ -134,6 +137,35 @@ def test_one_launch_writes_both_w13_tails_from_token_rows(device):
             s = int(slot[pair])
             want[:, pair, s * r:(s + 1) * r] = compact[:, pair]
     assert_close(tail, want, torch.float32)
+
+
+@pytest.mark.parametrize("rank, with_delta", [(8, True), (8, False), (48, False)], ids=["fused+delta", "fused",
+                                                                                        "apart (L*r > 128)"])
+def test_activation_and_w2_shrink_write_all_of_h_ext(device, rank, with_delta):
+    """h_ext (poisoned first) = [silu(gate + dg) * (up + du) | T2]: T2 in each pair's slot's first r_l
+    columns, zeros everywhere else; in one pass while L*r fits, as two launches beyond."""
+    ranks_l = (3, rank, 5)
+    p = problem(device, rank=rank, seed=11, adapter_ranks=ranks_l, no_adapter_fraction=0.3)
+    M, k = p.topk_ids.shape
+    P, I, L = M * k, SHAPE.intermediate, 3
+    plan = plan_layer(p.topk_ids, p.token_lora, SHAPE.num_experts, L, rank, schedule="sequential")
+    c1, delta = torch.randn(P, 2 * I, device=device), torch.randn(P, 2 * I, device=device)
+    slot = p.token_lora.repeat_interleave(k)
+    delta[slot < 0] = float("nan")                        # never read for pairs without an adapter
+    h_ext = poisoned((P, I + L * rank), torch.float32, device)
+    ranks = torch.tensor(ranks_l, device=device, dtype=torch.int32)
+    _act_and_shrink(c1, delta if with_delta else None, h_ext, p.w2_lora_a[0], plan, p.token_lora.to(torch.int32),
+                    Streams(False, torch.device(device)), k, SHAPE.hidden, I, rank, ranks)
+    g = c1 + (torch.where((slot >= 0)[:, None], delta, 0.0) if with_delta else 0.0)
+    h = torch.nn.functional.silu(g[:, :I]) * g[:, I:]
+    want = torch.zeros(P, L * rank, device=device)
+    expert = p.topk_ids.reshape(-1)
+    for pair in range(P):
+        if slot[pair] >= 0:
+            s, rl = int(slot[pair]), ranks_l[int(slot[pair])]
+            want[pair, s * rank:s * rank + rl] = p.w2_lora_a[0][s, expert[pair], :rl] @ h[pair]
+    assert_close(h_ext[:, :I], h, torch.float32)
+    assert_close(h_ext[:, I:], want, torch.float32)
 
 
 def test_one_launch_writes_the_whole_tail(device):
