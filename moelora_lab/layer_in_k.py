@@ -43,7 +43,8 @@ from .streams import Streams
 from .validate import check_layer_inputs, check_lora_ranks, check_plan, check_values, routing_ranges
 
 FILL_ROWS = 32        # pairs per zero-filling program of the shrink launch
-ACT_BLOCK_K = 64      # h columns per step of the activation + w2 shrink pass
+ACT_TILES = dict(BLOCK_K=64, num_warps=None, num_stages=2)   # the activation + w2 shrink pass (warps None: by BLOCK_M)
+FUSED_ACT = True      # the activation and w2's shrink in one pass (else two launches)
 W13_ONE_READ = True   # in_k_layer's w13 shrink writes both slices from one read of x
 
 
@@ -211,7 +212,7 @@ def _act_and_shrink(c1, delta, h_ext, a2, plan, token_lora32, streams, k: int, H
     ``moe.MAX_FUSED_COLUMNS`` (``kernels/in_k.act_shrink_kernel``); otherwise the activation, then the
     shrink of the LoRA blocks (``shrink_tail_kernel``)."""
     L, E = a2.shape[0], a2.shape[1]
-    if fused_columns(L, r) > MAX_FUSED_COLUMNS:
+    if not FUSED_ACT or fused_columns(L, r) > MAX_FUSED_COLUMNS:
         with streams.stage("act", "main"):
             silu_and_mul(c1, h_ext[:, :I], top_k=k, delta=delta, token_lora=token_lora32 if delta is not None else None)
         with streams.stage("shrink_w2", "main"):
@@ -224,9 +225,10 @@ def _act_and_shrink(c1, delta, h_ext, a2, plan, token_lora32, streams, k: int, H
         act_shrink_kernel[(blocks.num_blocks,)](
             c1, delta if delta is not None else c1, a2, h_ext, blocks.sorted_pairs, blocks.block_expert, token_lora32,
             ranks, h_ext.shape[0], k, I, r, L, c1.stride(0), delta.stride(0) if delta is not None else 0,
-            h_ext.stride(0), *a2.stride(), BLOCK_M=bm, BLOCK_K=ACT_BLOCK_K, BLOCK_LR=fused_columns(L, r),
+            h_ext.stride(0), *a2.stride(), BLOCK_M=bm, BLOCK_K=ACT_TILES["BLOCK_K"], BLOCK_LR=fused_columns(L, r),
             DOT_PRECISION=_precision(h_ext), HAS_DELTA=delta is not None, HAS_RANKS=lora_ranks is not None,
-            num_warps=8 if bm >= 128 and not INTERPRET else 4, num_stages=1 if INTERPRET else 2)
+            num_warps=ACT_TILES["num_warps"] or (8 if bm >= 128 and not INTERPRET else 4),
+            num_stages=1 if INTERPRET else ACT_TILES["num_stages"])
 
 
 def _w2_and_sum(h_ext, w2_ext, plan, token_lora32, topk_weights, streams, M: int, k: int, H: int):
