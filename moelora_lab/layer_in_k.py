@@ -34,17 +34,15 @@ import triton
 from ._backend import INTERPRET, on_device
 from .blocks import LayerPlan
 from .dispatch import choose_config
-from .kernels.in_k import act_shrink_kernel, shrink_tail_kernel
+from .kernels.in_k import shrink_tail_kernel
 from .layer import IN_GEMM, plan_layer
-from .moe import MAX_FUSED_COLUMNS, fused_columns, gemm_tiles, moe_gemm, silu_and_mul, tail_start, topk_sum
+from .moe import gemm_tiles, moe_gemm, silu_and_mul, tail_start, topk_sum
 from .ops import run_lora
 from .paths import _precision
 from .streams import Streams
 from .validate import check_layer_inputs, check_lora_ranks, check_plan, check_values, routing_ranges
 
 FILL_ROWS = 32        # pairs per zero-filling program of the shrink launch
-ACT_TILES = dict(BLOCK_K=64, num_warps=None, num_stages=2)   # the activation + w2 shrink pass (warps None: by BLOCK_M)
-FUSED_ACT = True      # the activation and w2's shrink in one pass (else two launches)
 W13_ONE_READ = True   # in_k_layer's w13 shrink writes both slices from one read of x
 
 
@@ -207,28 +205,12 @@ def in_k_layer(x, topk_ids, topk_weights, token_lora, w13_ext, w2_ext, w13_lora_
 
 def _act_and_shrink(c1, delta, h_ext, a2, plan, token_lora32, streams, k: int, H: int, I: int, r: int,
                     lora_ranks) -> None:
-    """h_ext = [h | T2]: the activation (with w13's delta where given) and w2's shrink of every pair,
-    in one pass over the base GEMM's blocks while the block's stacked adapter columns fit
-    ``moe.MAX_FUSED_COLUMNS`` (``kernels/in_k.act_shrink_kernel``); otherwise the activation, then the
-    shrink of the LoRA blocks (``shrink_tail_kernel``)."""
-    L, E = a2.shape[0], a2.shape[1]
-    if not FUSED_ACT or fused_columns(L, r) > MAX_FUSED_COLUMNS:
-        with streams.stage("act", "main"):
-            silu_and_mul(c1, h_ext[:, :I], top_k=k, delta=delta, token_lora=token_lora32 if delta is not None else None)
-        with streams.stage("shrink_w2", "main"):
-            _shrink_tail(h_ext, [a2], plan, token_lora32, k, h_ext[:, I:].unsqueeze(0), H, r, lora_ranks)
-        return
-    blocks = plan.base_blocks
-    bm = blocks.block_size
-    ranks = lora_ranks if lora_ranks is not None else blocks.block_expert        # never read without ranks
-    with streams.stage("act+shrink_w2", "main"):
-        act_shrink_kernel[(blocks.num_blocks,)](
-            c1, delta if delta is not None else c1, a2, h_ext, blocks.sorted_pairs, blocks.block_expert, token_lora32,
-            ranks, h_ext.shape[0], k, I, r, L, c1.stride(0), delta.stride(0) if delta is not None else 0,
-            h_ext.stride(0), *a2.stride(), BLOCK_M=bm, BLOCK_K=ACT_TILES["BLOCK_K"], BLOCK_LR=fused_columns(L, r),
-            DOT_PRECISION=_precision(h_ext), HAS_DELTA=delta is not None, HAS_RANKS=lora_ranks is not None,
-            num_warps=ACT_TILES["num_warps"] or (8 if bm >= 128 and not INTERPRET else 4),
-            num_stages=1 if INTERPRET else ACT_TILES["num_stages"])
+    """h_ext = [h | T2]: the activation (with w13's delta where given) into the first I columns, then
+    w2's shrink of the LoRA blocks into the tail (``shrink_tail_kernel``)."""
+    with streams.stage("act", "main"):
+        silu_and_mul(c1, h_ext[:, :I], top_k=k, delta=delta, token_lora=token_lora32 if delta is not None else None)
+    with streams.stage("shrink_w2", "main"):
+        _shrink_tail(h_ext, [a2], plan, token_lora32, k, h_ext[:, I:].unsqueeze(0), H, r, lora_ranks)
 
 
 def _w2_and_sum(h_ext, w2_ext, plan, token_lora32, topk_weights, streams, M: int, k: int, H: int):

@@ -100,10 +100,6 @@ def main():
         ("in_k.shrink_tail, token rows (w13)", in_k.shrink_tail_kernel, tail, dict(tail_c, TOKEN_ROWS=True)),
         ("in_k.shrink_tail, both w13 slices from one read", in_k.shrink_tail_kernel, tail,
          dict(tail_c, TOKEN_ROWS=True, BOTH_SLICES=True)),
-        ("in_k.act_shrink", in_k.act_shrink_kernel, dict(ptrs("c1_ptr", "delta_ptr", "a_ptr", "h_ptr"),
-                                                         sorted_pairs_ptr=i32, block_expert_ptr=i32,
-                                                         token_lora_ptr=i32, lora_ranks_ptr=i32),
-         dict(BLOCK_M=128, BLOCK_K=64, BLOCK_LR=128, DOT_PRECISION="tf32", HAS_DELTA=True, HAS_RANKS=True)),
         ("combine.gather_sum", combine.gather_sum_kernel, dict(ptrs("rows_ptr", "y_ptr"), pos_ptr="*i64"),
          dict(BLOCK=1024)),
     ]
