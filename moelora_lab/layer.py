@@ -15,8 +15,10 @@ GEMMs (both launch the same kernels on the same buffers, so their results are bi
 delta buffer, no join; for L*r <= ``moe.MAX_FUSED_COLUMNS``); ``epilogue`` shrinks once per pair with
 the two-kernel path's shrink (T [S, P, r], the only LoRA bytes in HBM) and expands inside the base
 GEMMs, before their K loop (one dot of K = L*r per output tile; same limit on L*r), so no N tile recomputes
-the shrink and no delta is written or read back; ``auto`` is dual-stream on a GPU at
-every size (``gpu_schedule``; H200 data in ``data/h200/layer.csv``) and sequential on the CPU.
+the shrink and no delta is written or read back; ``in_k`` puts both LoRA ops in their GEMMs' K
+(``layer_in_k.in_k_layer``, one stream; needs the weights packed once by ``layer_in_k.pack_in_k``,
+passed as ``in_k=``); ``auto`` is sequential on the CPU and on a GPU two streams, or ``in_k`` where
+``gpu_schedule`` says it pays and the call brings a pack (H200 data in ``data/h200/layer.csv``).
 
 The side stream has the highest priority the device offers (``side_priority="highest"``): the
 block scheduler then places the LoRA kernels' programs ahead of the base GEMM's waiting ones, so the
@@ -54,7 +56,7 @@ from .streams import SIDE_PRIORITIES, Streams
 from .validate import (ANY_SLOT, check_choice, check_int, check_layer_inputs, check_lora_ranks, check_plan, check_routing,
                        check_values, routing_ranges)
 
-SCHEDULES = ("sequential", "dual_stream", "fused", "epilogue", "auto")
+SCHEDULES = ("sequential", "dual_stream", "fused", "epilogue", "in_k", "auto")
 IN_GEMM = {"fused": "in_gemm", "epilogue": "epilogue"}      # schedules with the expand in the GEMMs: plan's lora_path
 JOINS = ("fold", "vllm")
 def fused_fits(num_loras: int, rank: int) -> bool:
@@ -72,14 +74,18 @@ def _fused(schedule: str, fits: bool) -> bool:
 
 
 def resolve_schedule(schedule: str, device: torch.device, *, num_pairs: int = 0, num_experts: int = 1,
-                     fits: bool = False) -> str:
-    """The schedule a call really runs (``fits``: :func:`fused_fits` for the layer's LoRA)."""
+                     fits: bool = False, in_k_columns: int | None = None) -> str:
+    """The schedule a call really runs (``fits``: :func:`fused_fits` for the layer's LoRA;
+    ``in_k_columns``: L*r when the call brings an ``in_k`` pack, else None)."""
     check_choice("schedule", schedule, SCHEDULES)
     if _fused(schedule, fits):
         return schedule
+    if schedule == "in_k" and in_k_columns is None:
+        raise ValueError("schedule='in_k' needs the layer packed for it: pass in_k=pack_in_k(w13, w2, w13_lora_b, "
+                         "w2_lora_b) and its views w13=in_k.w13, w2=in_k.w2")
     gpu = device.type == "cuda" and not INTERPRET
     if schedule == "auto":
-        return gpu_schedule(num_pairs, num_experts) if gpu else "sequential"
+        return gpu_schedule(num_pairs, num_experts, in_k_columns=in_k_columns) if gpu else "sequential"
     if schedule == "dual_stream" and not gpu:
         warnings.warn("schedule='dual_stream' needs CUDA streams; on the CPU the layer runs sequentially "
                       "(same kernels, same results)", RuntimeWarning, stacklevel=3)
@@ -87,16 +93,28 @@ def resolve_schedule(schedule: str, device: torch.device, *, num_pairs: int = 0,
     return schedule
 
 
-def gpu_schedule(num_pairs: int, num_experts: int) -> str:
+# From the H200 (bf16, qwen3-30b-a3b, 4 adapters; data/h200/layer_in_k.csv): both LoRA ops in K beat two
+# streams at r 16 (L*r = 64) from 128 pairs per expert (M = 2048: 1.175 against 1.238 of the layer without
+# LoRA; M = 8192: 1.129 against 1.295), were level at 32 (M = 512) and lost below; at r 64 (L*r = 256) the
+# wider K lost everywhere.
+IN_K_MAX_COLUMNS = 64           # L*r
+IN_K_MIN_PAIRS_PER_EXPERT = 128
+
+
+def gpu_schedule(num_pairs: int, num_experts: int, *, in_k_columns: int | None = None) -> str:
     """What ``schedule="auto"`` runs on a GPU (without LoRA inside the GEMMs), for a layer of
-    ``num_pairs`` pairs over ``num_experts`` experts (usable on the CPU, to read the data). Two streams
-    at every size: on the H200, with every schedule of a case timed in interleaved rounds, they beat
-    one stream most at M = 1 (the LoRA's short launches hide under the base GEMMs) and least at the
-    largest M (both streams' kernels are long and share the memory bus), where the two are level
-    within what one schedule timed twice differs."""
+    ``num_pairs`` pairs over ``num_experts`` experts, ``in_k_columns`` = L*r when the call brings an
+    ``in_k`` pack (usable on the CPU, to read the data). ``in_k`` where the rule above says it pays;
+    else two streams at every size: on the H200, with every schedule of a case timed in interleaved
+    rounds, they beat one stream most at M = 1 (the LoRA's short launches hide under the base GEMMs)
+    and least at the largest M (both streams' kernels are long and share the memory bus), where the
+    two are level within what one schedule timed twice differs."""
     if num_pairs < 0 or num_experts < 1:
         raise ValueError(f"num_pairs / num_experts: need num_pairs >= 0 and num_experts >= 1, got {num_pairs}, "
                          f"{num_experts}")
+    if (in_k_columns is not None and in_k_columns <= IN_K_MAX_COLUMNS
+            and num_pairs >= IN_K_MIN_PAIRS_PER_EXPERT * num_experts):
+        return "in_k"
     return "dual_stream"
 
 
@@ -153,7 +171,7 @@ def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=No
                    w2_lora_a=None, w2_lora_b=None, *, schedule: str = "auto", join: str = "fold",
                    lora_path: str = "auto", plan: LayerPlan | None = None, tracer=None,
                    lora_ranks: torch.Tensor | None = None, side_priority: str = "highest",
-                   validate: bool = True) -> torch.Tensor:
+                   validate: bool = True, in_k=None) -> torch.Tensor:
     """One MoE layer with LoRA on w13 (2 slices) and w2 (1 slice): y [M, H] in x's dtype.
 
     Parameters
@@ -173,7 +191,7 @@ def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=No
         w2's LoRA, one slice: A 1 x [L, E, r, I], B 1 x [L, E, H, r]. Give all four LoRA arguments or
         none (none: the plain MoE layer); same L and r for w13 and w2, scaling folded into B.
     schedule : str
-        'sequential', 'dual_stream', 'fused', 'epilogue' or 'auto' (see the module docstring).
+        'sequential', 'dual_stream', 'fused', 'epilogue', 'in_k' or 'auto' (see the module docstring).
     join : str
         'fold' or 'vllm' (the schedules with separate LoRA kernels only).
     lora_path : str
@@ -190,6 +208,9 @@ def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=No
         'highest' or 'default', the priority of the side stream when two streams run.
     validate : bool
         False skips the id-range checks (one device synchronisation) for ids you have checked.
+    in_k : layer_in_k.InKWeights, optional
+        ``pack_in_k(w13, w2, w13_lora_b, w2_lora_b)``, with ``w13=in_k.w13`` and ``w2=in_k.w2``: lets
+        the call run ``schedule="in_k"`` (and ``auto`` pick it) from one copy of the base weights.
 
     Returns
     -------
@@ -203,6 +224,9 @@ def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=No
     check_choice("schedule", schedule, SCHEDULES)
     get_path(lora_path, "lora_path", KERNEL_CHOICES)
     with_lora = L is not None
+    if in_k is not None:
+        from .layer_in_k import check_in_k      # layer_in_k builds on this module
+        check_in_k(in_k, w13, w2, w13_lora_b, w2_lora_b)
     ranges = check_lora_ranks(lora_ranks, L, r) if with_lora else []
     checked = check_plan(plan, topk_ids, token_lora, E, L, r) if plan is not None else False
     if validate:
@@ -216,9 +240,10 @@ def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=No
         return x.new_empty(0, H)
     active = with_lora and r > 0                      # rank 0: the LoRA adds nothing
     P = M * k
-    run = (resolve_schedule(schedule, x.device, num_pairs=P, num_experts=E, fits=fused_fits(L, r)) if active
-           else "sequential")
-    if run in IN_GEMM and join != "fold":
+    columns = L * r if in_k is not None else None
+    run = (resolve_schedule(schedule, x.device, num_pairs=P, num_experts=E, fits=fused_fits(L, r),
+                            in_k_columns=columns) if active else "sequential")
+    if (run in IN_GEMM or run == "in_k") and join != "fold":
         raise ValueError(f"join: {join!r} has no meaning with schedule={run!r} (the LoRA is added inside the GEMMs, "
                          "there is no join); leave join at 'fold' or pick another schedule")
     if plan is not None and active:
@@ -242,6 +267,10 @@ def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=No
                                 tiles=gemm_tiles(P, E, lora=True),
                                 lora13=GemmLoRA(token_lora, w13_lora_a, w13_lora_b, lora_ranks),
                                 lora2=GemmLoRA(token_lora, w2_lora_a, w2_lora_b, lora_ranks), tracer=tracer)
+        if run == "in_k":
+            from .layer_in_k import in_k_layer
+            return in_k_layer(x, topk_ids, topk_weights, token_lora, in_k.w13_ext, in_k.w2_ext, w13_lora_a,
+                              w2_lora_a, plan=plan, lora_ranks=lora_ranks, validate=False, tracer=tracer)
         if run == "epilogue":
             return epilogue_layer(x, topk_ids, weights, token_lora.to(torch.int32).contiguous(), w13, w2,
                                    (w13_lora_a, w13_lora_b, w2_lora_a, w2_lora_b), plan, lora_ranks, tracer)

@@ -28,6 +28,8 @@ them beside the base GEMMs. ``python -m moelora_lab.bench in_k`` measures where 
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 
@@ -84,6 +86,61 @@ def pack_w13_in_k(w13: torch.Tensor, w13_lora_b) -> torch.Tensor:
     [L, E, I, r]. Pack again when an adapter slot changes."""
     at = tail_start(w13.shape[2]) if isinstance(w13, torch.Tensor) and w13.dim() == 3 else 0
     return _pack(w13, w13_lora_b, at, ("w13", "w13_lora_b"), 2)
+
+
+class InKWeights(NamedTuple):
+    """The layer's base weights packed once with every slot's B (:func:`pack_in_k`). ``w13`` [E, 2I, H] and
+    ``w2`` [E, H, I] are views of ``w13_ext`` and ``w2_ext``: give them to ``moe_lora_layer`` with
+    ``in_k=`` this, and every schedule reads the one copy of the base weights (``auto`` may then run
+    :func:`in_k_layer`). ``lora_b`` and ``versions`` record the B tensors packed and their in-place
+    version counters, so a layer call notices an adapter changed since."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_ext: torch.Tensor
+    w2_ext: torch.Tensor
+    lora_b: tuple
+    versions: tuple
+
+
+def _version(t: torch.Tensor):
+    try:
+        return t._version
+    except RuntimeError:      # an inference-mode tensor keeps no version counter
+        return None
+
+
+def pack_in_k(w13: torch.Tensor, w2: torch.Tensor, w13_lora_b, w2_lora_b) -> InKWeights:
+    """Pack the layer once for the LoRA in K: ``w13_ext`` and ``w2_ext`` as :func:`pack_w13_in_k` and
+    :func:`pack_w2_in_k` build them, and ``w13`` / ``w2`` as views of them (drop your own copies of the
+    base weights). Pack again when an adapter slot changes: the layer refuses a stale pack."""
+    w13_ext, w2_ext = pack_w13_in_k(w13, w13_lora_b), pack_w2_in_k(w2, w2_lora_b)
+    bs = (*w13_lora_b, *w2_lora_b)
+    return InKWeights(w13_ext[:, :, :w13.shape[2]], w2_ext[:, :, :w2.shape[2]], w13_ext, w2_ext, bs,
+                      tuple(_version(b) for b in bs))
+
+
+def check_in_k(pack, w13, w2, w13_lora_b, w2_lora_b) -> None:
+    """A TypeError / ValueError unless ``pack`` (from :func:`pack_in_k`) holds these very weights, unchanged."""
+    if not isinstance(pack, InKWeights):
+        raise TypeError(f"in_k: expected the InKWeights of pack_in_k(w13, w2, w13_lora_b, w2_lora_b), got "
+                        f"{type(pack).__name__}")
+    if w13_lora_b is None:
+        raise ValueError("in_k: packs the LoRA's B into the base weights, but the call has no LoRA; drop in_k")
+
+    def same(a, b):
+        return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+
+    if not (same(w13, pack.w13) and same(w2, pack.w2)):
+        raise ValueError("w13, w2: not the views in_k holds; pass in_k.w13 and in_k.w2, so that every schedule "
+                         "reads the one packed copy of the base weights")
+    bs = (*w13_lora_b, *w2_lora_b)
+    if len(bs) != len(pack.lora_b) or any(a is not b for a, b in zip(bs, pack.lora_b)):
+        raise ValueError("w13_lora_b, w2_lora_b: not the tensors in_k was packed from; pack_in_k(...) again with "
+                         "these")
+    if any(v is not None and _version(b) != v for b, v in zip(bs, pack.versions)):
+        raise ValueError("w13_lora_b, w2_lora_b: changed in place since pack_in_k packed them; pack again "
+                         "(in_k holds a copy of every slot's B)")
 
 
 def _split(ext, at: int, cols: int, lora_a, slices: int, names: tuple):

@@ -72,7 +72,7 @@ def moe_gemm(x: torch.Tensor, w: torch.Tensor, blocks: BlockList, out: torch.Ten
 
     x: [M, K] token rows or [P, K] pair rows; w: [E, N, K]; out: [P, N]; topk_weights: [P] fp32 or None.
     ``tiles`` may add ``W_TMA``: True loads W tiles by TMA bulk copies (a GPU of compute capability 9.0
-    or later, or the interpreter; w contiguous, rows 16-byte aligned; a ValueError otherwise), "auto"
+    or later, or the interpreter; w's rows contiguous, evenly spaced, 16-byte aligned; a ValueError otherwise), "auto"
     (the GPU rule's value) wherever that holds and by pointer elsewhere, False by pointer.
 
     ``x_tail`` [S, P, C] (contiguous, x's dtype) widens every pair's x row by its own row of the tail
@@ -160,15 +160,18 @@ def _check_tail(x, w, x_tail, P: int, block_k: int) -> int:
 
 def _tma_refusal(w: torch.Tensor) -> str | None:
     """Why W tiles cannot come by TMA bulk copies (None: they can): the GPU needs a tensor memory
-    accelerator (compute capability 9.0 or later; the interpreter emulates one), and w must be
-    contiguous with 16-byte aligned rows."""
+    accelerator (compute capability 9.0 or later; the interpreter emulates one), and w's rows must be
+    contiguous, evenly spaced (a contiguous tensor or a column slice of one, as ``layer_in_k.pack_in_k``
+    makes) and 16-byte aligned."""
     if not INTERPRET and (w.device.type != "cuda" or torch.cuda.get_device_capability(w.device)[0] < 9):
         return ("tiles: W_TMA=True needs a GPU with a tensor memory accelerator (compute capability 9.0 "
                 "or later); leave W_TMA out elsewhere")
-    K = w.shape[2]
-    if not w.is_contiguous() or (K * w.element_size()) % 16 or w.data_ptr() % 16:
-        return (f"w: W_TMA=True needs a contiguous weight with 16-byte aligned rows (K = {K} of "
-                f"{w.dtype}); call w.contiguous() or leave W_TMA out")
+    E, N, K = w.shape
+    row = w.stride(1)
+    if (w.stride(2) != 1 or w.stride(0) != N * row or row < K or (row * w.element_size()) % 16
+            or w.data_ptr() % 16):
+        return (f"w: W_TMA=True needs rows of unit column stride, evenly spaced and 16-byte aligned (K = {K} "
+                f"of {w.dtype}, strides {tuple(w.stride())}); call w.contiguous() or leave W_TMA out")
     return None
 
 
@@ -180,7 +183,7 @@ def _tma_fits(w: torch.Tensor) -> bool:
 
 
 def _w_descriptor(w: torch.Tensor, block_n: int, block_k: int):
-    """A host TMA descriptor of w viewed [E*N, K] with a [BLOCK_N, BLOCK_K] box."""
+    """A host TMA descriptor of w viewed [E*N, K] (its row stride kept) with a [BLOCK_N, BLOCK_K] box."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     refusal = _tma_refusal(w)

@@ -46,7 +46,7 @@ def _rule_table() -> list:
     ranks = [None, 8, 16, 32, 64, 128, 192, 256, 512]
     table: list = [sorted((name, repr(cfg)) for name, cfg in CONFIGS.items()),
                    MAX_FUSED_COLUMNS, SIDE_PRIORITIES[0]]
-    table.append([gpu_schedule(p, e) for p in pairs for e in (8, 64, 128)])
+    table.append([gpu_schedule(p, e, in_k_columns=c) for p in pairs for e in (8, 64, 128) for c in (None, 32, 64, 256)])
     for p in pairs:
         for groups in (1, 8, 64, 512):
             table.append([choose_path(p, groups, 4, r or 16, n_out) for r in ranks for n_out in (None, 768, 2048)])

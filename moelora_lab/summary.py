@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from . import results
 from .align import SORT_MAX_PAIRS
-from .config import MoEShape
-from .layer import gpu_schedule
 
 PRESET = "qwen3-30b-a3b"
 TOKENS = (1, 8, 32, 128, 512, 2048, 8192)
@@ -89,6 +87,23 @@ def _speedups(ratios, against: str) -> str:
     return text
 
 
+RUN_NAMES = {"dual_stream": "two streams", "sequential": "one stream", "in_k": "both LoRA ops in K (`in_k`)"}
+
+
+def _auto_runs(t, ranks, ms) -> str:
+    """What ``auto`` ran per rank, by the data's ``schedule`` column: '<schedule> at M = ..., ...'."""
+    parts = []
+    for rank in ranks:
+        by: dict = {}
+        for m in ms:
+            if (rank, m, "auto") in t:
+                by.setdefault(t[rank, m, "auto"]["schedule"], []).append(m)
+        spans = [f"{RUN_NAMES.get(s, s)} at " + ("every M" if len(v) == len(ms) else "M = " + ", ".join(map(str, v)))
+                 for s, v in by.items()]
+        parts.append(f"at r = {rank} " + " and ".join(spans))
+    return "; ".join(parts)
+
+
 def _layer_section(layer) -> list[str]:
     t = {(r["rank"], r["M"], r["variant"]): r for r in layer if r["preset"] == PRESET}
     ms = [m for m in LAYER_TOKENS if (16, m, "no_lora") in t]
@@ -114,15 +129,11 @@ def _layer_section(layer) -> list[str]:
     if all((16, m, "auto_plan") in t for m in ms):
         out.append(line("LoRA r=16, layer + plan (`auto`) [µs]", lambda m: f"{t[16, m, 'auto_plan']['us_median']:.1f}"))
         out.append(line("LoRA r=16, layer + plan / no LoRA + plan", ratio(16, "auto_plan", "no_lora_plan")))
-    shape = MoEShape.from_name(PRESET)
-    dual = [m for m in ms if gpu_schedule(m * shape.top_k, shape.num_experts) == "dual_stream"]
     fused, epilogue = ([t[16, m, v]["us_median"] / t[16, m, "no_lora"]["us_median"] for m in ms if (16, m, v) in t]
                        for v in ("fused", "epilogue"))
     auto = [t[16, m, "auto"]["us_median"] / t[16, m, "no_lora"]["us_median"] for m in ms]
     save = [1 - t[16, m, "sequential"]["us_median"] / t[16, m, "sequential_vllm_join"]["us_median"] for m in ms]
-    runs = ("two streams at every M" if len(dual) == len(ms) else
-            f"two streams up to M = {max(dual)} and one stream beyond" if dual else "one stream at every M")
-    out += ["", f"`auto` runs {runs} here (the current rule).",
+    out += ["", f"`auto` (given the weights packed by `pack_in_k`) ran {_auto_runs(t, ranks, ms)}.",
             f"`schedule=\"fused\"` (the LoRA inside the base GEMMs) costs {_span(fused, '{:.2f}', '×')} the no-LoRA "
             f"layer at r = 16, against {_span(auto, '{:.2f}', '×')} for `auto`"
             + (f"; `schedule=\"epilogue\"` (the shrink once per pair, the expand inside the GEMMs) "

@@ -5,7 +5,7 @@ import torch
 
 import moelora_lab as ml
 from moelora_lab.layer import plan_layer
-from moelora_lab.layer_in_k import (_act_and_shrink, _shrink_tail, in_k_layer, pack_w13_in_k, pack_w2_in_k,
+from moelora_lab.layer_in_k import (_act_and_shrink, _shrink_tail, in_k_layer, pack_in_k, pack_w13_in_k, pack_w2_in_k,
                                     w2_in_k_layer)
 from moelora_lab.streams import Streams
 from moelora_lab.moe import gemm_tiles, moe_gemm, tail_start
@@ -212,3 +212,63 @@ def test_bad_inputs_name_the_argument(device):
         in_k_layer(**both, w13_ext=inputs["w13"], w2_ext=w2_ext)
     with pytest.raises(TypeError, match=r"w13_lora_b: expected a list of two tensors \[L, E, I, r\]"):
         pack_w13_in_k(inputs["w13"], inputs["w13_lora_b"][:1])
+
+
+def packed_inputs(p):
+    """The layer's inputs with w13 / w2 replaced by the views of one pack, and the pack."""
+    inputs = p.layer_inputs()
+    pack = pack_in_k(inputs["w13"], inputs["w2"], inputs["w13_lora_b"], inputs["w2_lora_b"])
+    return dict(inputs, w13=pack.w13, w2=pack.w2), pack
+
+
+@pytest.mark.parametrize("schedule", ["in_k", "sequential", "fused", "epilogue", "auto"])
+def test_every_schedule_runs_from_one_packed_copy(device, schedule):
+    """pack_in_k: the views serve every schedule (rows further apart than H, B of every slot between them),
+    and schedule='in_k' runs in_k_layer from the pack; rank not a power of two, tokens without an adapter."""
+    for dtype in dtypes(device):
+        p = problem(device, dtype, M=11, rank=5, seed=21, no_adapter_fraction=0.3)
+        inputs, pack = packed_inputs(p)
+        assert pack.w13.data_ptr() == pack.w13_ext.data_ptr() and pack.w13.stride(1) == pack.w13_ext.shape[2]
+        assert_close(ml.moe_lora_layer(**inputs, schedule=schedule, in_k=pack),
+                     ml.moe_layer_reference(**p.layer_inputs()), dtype)
+
+
+def test_in_k_schedule_follows_the_pack_and_the_rule(device):
+    from moelora_lab.layer import IN_K_MAX_COLUMNS, IN_K_MIN_PAIRS_PER_EXPERT, gpu_schedule, resolve_schedule
+    E = SHAPE.num_experts
+    many = IN_K_MIN_PAIRS_PER_EXPERT * E
+    assert gpu_schedule(many, E, in_k_columns=IN_K_MAX_COLUMNS) == "in_k"
+    assert gpu_schedule(many - 1, E, in_k_columns=IN_K_MAX_COLUMNS) == "dual_stream"        # too few pairs
+    assert gpu_schedule(many, E, in_k_columns=IN_K_MAX_COLUMNS + 1) == "dual_stream"        # K widened too much
+    assert gpu_schedule(many, E) == "dual_stream"                                           # no pack
+    dev = torch.device(device)
+    assert resolve_schedule("auto", dev, num_pairs=many, num_experts=E, in_k_columns=16) == (
+        "in_k" if device == "cuda" else "sequential")
+    assert resolve_schedule("in_k", dev, in_k_columns=16) == "in_k"
+    with pytest.raises(ValueError, match="schedule='in_k' needs the layer packed for it: pass in_k=pack_in_k"):
+        resolve_schedule("in_k", dev)
+
+
+def test_a_stale_or_foreign_pack_is_refused(device):
+    p = problem(device)
+    inputs, pack = packed_inputs(p)
+    with pytest.raises(ValueError, match="schedule='in_k' needs the layer packed"):
+        ml.moe_lora_layer(**inputs, schedule="in_k")
+    with pytest.raises(TypeError, match="in_k: expected the InKWeights of pack_in_k"):
+        ml.moe_lora_layer(**inputs, in_k=pack.w13_ext)
+    with pytest.raises(ValueError, match="w13, w2: not the views in_k holds; pass in_k.w13 and in_k.w2"):
+        ml.moe_lora_layer(**p.layer_inputs(), in_k=pack)
+    with pytest.raises(ValueError, match="join: 'vllm' has no meaning with schedule='in_k'"):
+        ml.moe_lora_layer(**inputs, schedule="in_k", join="vllm", in_k=pack)
+    copies = [b.clone() for b in inputs["w2_lora_b"]]
+    with pytest.raises(ValueError, match="w13_lora_b, w2_lora_b: not the tensors in_k was packed from"):
+        ml.moe_lora_layer(**dict(inputs, w2_lora_b=copies), in_k=pack)
+    no_lora = {n: inputs[n] for n in ("x", "topk_ids", "topk_weights", "token_lora", "w13", "w2")}
+    with pytest.raises(ValueError, match="in_k: packs the LoRA's B into the base weights, but the call has no LoRA"):
+        ml.moe_lora_layer(**no_lora, in_k=pack)
+    inputs["w13_lora_b"][1].mul_(2)                     # an adapter slot reloaded in place: the pack is stale
+    with pytest.raises(ValueError, match="changed in place since pack_in_k packed them; pack again"):
+        ml.moe_lora_layer(**inputs, schedule="in_k", in_k=pack)
+    inputs, pack = packed_inputs(p)                      # packed again: runs, and sees the new B
+    assert_close(ml.moe_lora_layer(**inputs, schedule="in_k", in_k=pack),
+                 ml.moe_layer_reference(**p.layer_inputs()), torch.float32)

@@ -90,8 +90,27 @@ def test_w_tma_auto_loads_by_tma_where_it_can(device):
 def test_w_tma_refuses_a_strided_weight(device):
     p = case(device, torch.float16, 4, 8, seed=0)
     strided = p.w13.transpose(1, 2).contiguous().transpose(1, 2)          # same values, K not fastest
-    with pytest.raises(ValueError, match="w: W_TMA=True needs a contiguous weight"):
+    with pytest.raises(ValueError, match="w: W_TMA=True needs rows of unit column stride"):
         run(p, p.x, strided, None, mul=False, W_TMA=True)
+    odd = torch.full((*p.w13.shape[:2], p.w13.shape[2] + 3), float("nan"), device=device, dtype=torch.float16)
+    odd[:, :, :p.w13.shape[2]] = p.w13                                  # rows 6 bytes apart from 16-byte steps
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        run(p, p.x, odd[:, :, :p.w13.shape[2]], None, mul=False, W_TMA=True)
+
+
+@pytest.mark.parametrize("w_tma", [True, "auto"])
+def test_a_column_slice_of_a_wider_weight_by_tma(device, w_tma):
+    """The views ``layer_in_k.pack_in_k`` hands out: rows further apart than K (16-byte aligned). The
+    columns past K are NaN, so a tile that read them would fail."""
+    from moelora_lab import moe
+    p = case(device, torch.float16, 7, 8, seed=6)
+    E, N, K = p.w13.shape
+    wide = torch.full((E, N, K + 16), float("nan"), device=device, dtype=torch.float16)
+    wide[:, :, :K] = p.w13
+    view = wide[:, :, :K]
+    assert moe._tma_refusal(view) == moe._tma_refusal(p.w13)         # accepted wherever the contiguous one is
+    want = expected(p, p.x, p.w13, [torch.zeros_like(a) for a in p.w13_lora_a], p.w13_lora_b, False)
+    assert_close(run(p, p.x, view, None, mul=False, W_TMA=w_tma), want, torch.float16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

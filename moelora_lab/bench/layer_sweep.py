@@ -5,7 +5,10 @@ variants of a case in ``ROUNDS`` interleaved rounds with their replays pooled (`
   no_lora                 the base layer alone (grouped GEMMs, activation, top-k sum)
   sequential / dual_stream                 LoRA with our folded join, one stream or two
   fused                   LoRA computed inside the base grouped GEMMs (when L*r fits)
-  auto                    what ``moe_lora_layer`` picks by default (its plan built the same way)
+  in_k                    both LoRA ops in their GEMMs' K (``layer_in_k``), from the weights packed once
+  auto                    what ``moe_lora_layer`` picks by default given that pack (``in_k=``; its plan built
+                          the same way), so it may run ``in_k``; every other LoRA variant reads the
+                          unpacked weights
   sequential_vllm_join / dual_stream_vllm_join   LoRA with vLLM's join (zero-fill + add passes)
   base_gemms              our two grouped GEMMs alone, next to
   grouped_mm              torch._grouped_mm on rows already grouped by expert (a strong reference)
@@ -30,6 +33,7 @@ import torch
 
 from ..config import MoEShape, layer_lora_weights
 from ..layer import SIDE_PRIORITIES, fused_fits, moe_lora_layer, plan_layer, resolve_schedule
+from ..layer_in_k import pack_in_k
 from ..moe import gemm_tiles, moe_gemm
 from ..profile import timing
 from ..profile.timeline import capture_timeline, overlap_metrics, save_traces
@@ -38,13 +42,13 @@ from ..profile.traffic import count_workload, layer_traffic
 from .common import base_weights, device, grouped_mm_fns, progress, seeded_generator, sweep_parser, sweep_routing
 
 NAME = "layer"
-VARIANTS = ("no_lora", "sequential", "dual_stream", "fused", "epilogue", "auto", "sequential_vllm_join",
+VARIANTS = ("no_lora", "sequential", "dual_stream", "fused", "epilogue", "in_k", "auto", "sequential_vllm_join",
             "dual_stream_vllm_join", "base_gemms", "grouped_mm", "plan", "no_lora_plan", "auto_plan")
 ROUNDS = 3              # interleaved timing rounds per case: a drift of the GPU during a case hits every variant
 NO_LORA = ("no_lora", "base_gemms", "grouped_mm", "plan", "no_lora_plan")
 # the schedule each LoRA-layer variant asks for (``schedule`` records what it really ran)
 SCHEDULE_OF = {"sequential": "sequential", "dual_stream": "dual_stream", "fused": "fused", "epilogue": "epilogue",
-               "auto": "auto",
+               "in_k": "in_k", "auto": "auto",
                "sequential_vllm_join": "sequential", "dual_stream_vllm_join": "dual_stream", "auto_plan": "auto"}
 
 
@@ -87,6 +91,8 @@ def run_layer(args) -> tuple[list[dict], dict]:
         plan_a = plan_layer(ids, tl, E, L, rank)
         plan_b = plan_layer(ids, tl, E, None, None)
         base = (x, ids, tw, tl, w13, w2)
+        pack = pack_in_k(w13, w2, lora["w13_lora_b"], lora["w2_lora_b"])     # a second copy: the bench's only
+        packed = (x, ids, tw, tl, pack.w13, pack.w2)
         h = torch.randn(M * k, I, device=device(), generator=gen, dtype=dtype)
         c1 = torch.empty(M * k, 2 * I, device=device(), dtype=dtype)
         c3 = torch.empty(M * k, H, device=device(), dtype=dtype)
@@ -98,7 +104,8 @@ def run_layer(args) -> tuple[list[dict], dict]:
             "dual_stream": lambda: moe_lora_layer(*base, **lora, schedule="dual_stream", plan=plan_l),
             "fused": lambda: moe_lora_layer(*base, **lora, schedule="fused", plan=plan_f),
             "epilogue": lambda: moe_lora_layer(*base, **lora, schedule="epilogue", plan=plan_e),
-            "auto": lambda: moe_lora_layer(*base, **lora, plan=plan_a),
+            "in_k": lambda: moe_lora_layer(*packed, **lora, schedule="in_k", in_k=pack, plan=plan_l),
+            "auto": lambda: moe_lora_layer(*packed, **lora, in_k=pack, plan=plan_a),
             "sequential_vllm_join": lambda: moe_lora_layer(*base, **lora, schedule="sequential", join="vllm",
                                                            plan=plan_l),
             "dual_stream_vllm_join": lambda: moe_lora_layer(*base, **lora, schedule="dual_stream", join="vllm",
@@ -108,7 +115,7 @@ def run_layer(args) -> tuple[list[dict], dict]:
                                             tiles=tiles)),
             "grouped_mm": lambda: tuple(f() for f in grouped),
             "no_lora_plan": lambda: moe_lora_layer(*base, validate=False),
-            "auto_plan": lambda: moe_lora_layer(*base, **lora, validate=False),
+            "auto_plan": lambda: moe_lora_layer(*packed, **lora, in_k=pack, validate=False),
             "plan": lambda: plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I, schedule="sequential",
                                        validate=False),
         }
@@ -126,13 +133,15 @@ def run_layer(args) -> tuple[list[dict], dict]:
                 error = f"{type(t).__name__}: {str(t).splitlines()[0][:120]}"
             floor = floors[name not in NO_LORA]
             asks = SCHEDULE_OF.get(name)
-            path = {"fused": "in_gemm", "epilogue": "epilogue", "auto": plan_a.lora_path}.get(asks, plan_l.lora_path)
             ran = ""
             if asks:                           # the schedule that really ran (auto resolved, CPU: sequential)
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", RuntimeWarning)
                     ran = resolve_schedule(asks, torch.device(device()), num_pairs=M * k, num_experts=E,
-                                           fits=plan_f is not None)
+                                           fits=plan_f is not None,
+                                           in_k_columns=L * rank if name in ("in_k", "auto", "auto_plan") else None)
+            path = "in_k" if ran == "in_k" else {"fused": "in_gemm", "epilogue": "epilogue",
+                                                  "auto": plan_a.lora_path}.get(asks, plan_l.lora_path)
             rows.append(dict(preset=preset, M=M, rank=rank, loras=L, variant=name, schedule=ran, lora_path=path,
                              side_priority=args.side_priority if ran == "dual_stream" else "",
                              us_median=med, us_p20=p20, us_p80=p80, floor_bytes=floor.bytes,
@@ -154,7 +163,7 @@ def run_layer(args) -> tuple[list[dict], dict]:
                             **prov)
                 traces[f"{preset}_M{M}_r{rank}_{sched}"] = dict(meta=meta, records=recs,
                                                                 metrics=overlap_metrics(recs))
-        del lora
+        del lora, pack
         torch.cuda.empty_cache()
     return rows, traces
 
