@@ -39,132 +39,22 @@ valid under CUDA-graph capture and replay.
 """
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from ._backend import INTERPRET, on_device
-from .align import make_block_lists
-from .blocks import LayerPlan, RoutingStamp
-from .dispatch import choice_rank, choose_config
-from .moe import (MAX_FUSED_COLUMNS, GemmLoRA, fused_columns, gemm_tiles, moe_gemm, silu_and_mul,
-                  topk_sum)
+from .blocks import LayerPlan
+from .moe import GemmLoRA, gemm_tiles, moe_gemm, silu_and_mul, topk_sum
 from .layer_in_gemm import buffers, epilogue_layer, fused_layer
+from .layer_in_k import check_in_k, in_k_layer
+from .layer_plan import (IN_GEMM, IN_K_MAX_COLUMNS, IN_K_MIN_PAIRS_PER_EXPERT, SCHEDULES, fused_fits,  # noqa: F401
+                         gpu_schedule, plan_layer, resolve_schedule)
 from .ops import run_lora
-from .paths import KERNEL_CHOICES, get_path, resolve_path
+from .paths import KERNEL_CHOICES, get_path
 from .streams import SIDE_PRIORITIES, Streams
-from .validate import (ANY_SLOT, check_choice, check_int, check_layer_inputs, check_lora_ranks, check_plan, check_routing,
-                       check_values, routing_ranges)
+from .validate import (ANY_SLOT, check_choice, check_layer_inputs, check_lora_ranks, check_plan, check_values,
+                       routing_ranges)
 
-SCHEDULES = ("sequential", "dual_stream", "fused", "epilogue", "in_k", "auto")
-IN_GEMM = {"fused": "in_gemm", "epilogue": "epilogue"}      # schedules with the expand in the GEMMs: plan's lora_path
 JOINS = ("fold", "vllm")
-def fused_fits(num_loras: int, rank: int) -> bool:
-    """Whether the in-GEMM LoRA can run: the stacked shrink of all adapters fits in registers."""
-    return fused_columns(num_loras, rank) <= MAX_FUSED_COLUMNS
-
-
-def _fused(schedule: str, fits: bool) -> bool:
-    """Whether ``schedule`` expands the LoRA inside the GEMMs (a ValueError if the adapters are too wide)."""
-    if schedule in IN_GEMM and not fits:
-        raise ValueError(f"schedule={schedule!r}: the in-GEMM LoRA needs L*r <= {MAX_FUSED_COLUMNS} (padded "
-                         "to a power of two, at least 16); use schedule='dual_stream' or 'sequential' for more or "
-                         "wider adapters")
-    return schedule in IN_GEMM
-
-
-def resolve_schedule(schedule: str, device: torch.device, *, num_pairs: int = 0, num_experts: int = 1,
-                     fits: bool = False, in_k_columns: int | None = None) -> str:
-    """The schedule a call really runs (``fits``: :func:`fused_fits` for the layer's LoRA;
-    ``in_k_columns``: L*r when the call brings an ``in_k`` pack, else None)."""
-    check_choice("schedule", schedule, SCHEDULES)
-    if _fused(schedule, fits):
-        return schedule
-    if schedule == "in_k" and in_k_columns is None:
-        raise ValueError("schedule='in_k' needs the layer packed for it: pass in_k=pack_in_k(w13, w2, w13_lora_b, "
-                         "w2_lora_b) and its views w13=in_k.w13, w2=in_k.w2")
-    gpu = device.type == "cuda" and not INTERPRET
-    if schedule == "auto":
-        return gpu_schedule(num_pairs, num_experts, in_k_columns=in_k_columns) if gpu else "sequential"
-    if schedule == "dual_stream" and not gpu:
-        warnings.warn("schedule='dual_stream' needs CUDA streams; on the CPU the layer runs sequentially "
-                      "(same kernels, same results)", RuntimeWarning, stacklevel=3)
-        return "sequential"
-    return schedule
-
-
-# From the H200 (bf16, qwen3-30b-a3b, 4 adapters; data/h200/layer_in_k.csv): both LoRA ops in K beat two
-# streams at r 16 (L*r = 64) from 128 pairs per expert (M = 2048: 1.175 against 1.238 of the layer without
-# LoRA; M = 8192: 1.129 against 1.295), were level at 32 (M = 512) and lost below; at r 64 (L*r = 256) the
-# wider K lost everywhere.
-IN_K_MAX_COLUMNS = 64           # L*r
-IN_K_MIN_PAIRS_PER_EXPERT = 128
-
-
-def gpu_schedule(num_pairs: int, num_experts: int, *, in_k_columns: int | None = None) -> str:
-    """What ``schedule="auto"`` runs on a GPU (without LoRA inside the GEMMs), for a layer of
-    ``num_pairs`` pairs over ``num_experts`` experts, ``in_k_columns`` = L*r when the call brings an
-    ``in_k`` pack (usable on the CPU, to read the data). ``in_k`` where the rule above says it pays;
-    else two streams at every size: on the H200, with every schedule of a case timed in interleaved
-    rounds, they beat one stream most at M = 1 (the LoRA's short launches hide under the base GEMMs)
-    and least at the largest M (both streams' kernels are long and share the memory bus), where the
-    two are level within what one schedule timed twice differs."""
-    if num_pairs < 0 or num_experts < 1:
-        raise ValueError(f"num_pairs / num_experts: need num_pairs >= 0 and num_experts >= 1, got {num_pairs}, "
-                         f"{num_experts}")
-    if (in_k_columns is not None and in_k_columns <= IN_K_MAX_COLUMNS
-            and num_pairs >= IN_K_MIN_PAIRS_PER_EXPERT * num_experts):
-        return "in_k"
-    return "dual_stream"
-
-
-def plan_layer(topk_ids, token_lora, num_experts: int, num_loras: int | None, rank: int | None, *,
-               hidden: int | None = None, intermediate: int | None = None, lora_path: str = "auto",
-               schedule: str = "auto", validate: bool = True, lora_ranks: torch.Tensor | None = None) -> LayerPlan:
-    """Build the routing metadata (and pick the LoRA path) for :func:`moe_lora_layer`.
-
-    ``num_loras=None`` plans a layer without LoRA; otherwise ``rank`` is the LoRA rank r of the
-    weights the plan will serve. Reuse a plan across calls with the same routing tensors (w13 and
-    w2, benchmarks, CUDA graphs that capture only the layer's kernels): the layer checks, without a
-    device synchronisation, that it gets the tensors the plan was made from, unchanged.
-    ``validate=False`` skips the id-range checks (one synchronisation) for routing already checked;
-    the layer then checks the ids itself unless it is told ``validate=False`` too. A plan for
-    ``schedule="fused"`` has no LoRA blocks: the base GEMMs carry the LoRA. ``lora_ranks`` ([L] per-slot
-    ranks, on the CPU) lets ``lora_path="auto"`` pick by the largest real rank instead of r.
-    """
-    E = check_int("num_experts", num_experts, low=1)
-    if num_loras is not None:
-        check_int("num_loras", num_loras, low=1)
-        if rank is None:
-            raise TypeError("rank: expected an int (the LoRA rank r of the weights) when num_loras is given; pass "
-                            "num_loras=None to plan a layer without LoRA")
-        check_int("rank", rank, low=0)
-        check_lora_ranks(lora_ranks, num_loras, rank)
-    check_choice("schedule", schedule, SCHEDULES)
-    get_path(lora_path, "lora_path", KERNEL_CHOICES)
-    L = num_loras or ANY_SLOT
-    M, k = check_routing(topk_ids, token_lora, E, L, values=validate)
-    P = M * k
-    tiles = gemm_tiles(P, E)
-    with on_device(topk_ids):
-        stamp = RoutingStamp.of(topk_ids, None if num_loras is None else token_lora, E, L, tiles["BLOCK_M"],
-                                values_checked=validate)
-        plan = dict(num_loras=num_loras, rank=rank, routing=stamp)
-        base_list = (None, tiles["BLOCK_M"])
-        in_gemm = num_loras is not None and rank != 0 and _fused(schedule, fused_fits(num_loras, rank))
-        if num_loras is None or rank == 0 or (in_gemm and schedule == "fused"):
-            # no LoRA, rank 0 (LoRA adds nothing) or the in-GEMM LoRA: the base blocks alone
-            [base] = make_block_lists(topk_ids, None, E, [base_list], values_checked=validate)
-            in_gemm = num_loras is not None and rank != 0
-            return LayerPlan(base, None, "in_gemm" if in_gemm else None, **plan)
-        path = "two_kernel" if in_gemm else resolve_path(     # epilogue: the two-kernel path's shrink
-            lora_path, num_pairs=P, num_experts=E, num_loras=num_loras, rank=rank, add_inputs=False,
-            token_rows=True, choice_rank=choice_rank(rank, lora_ranks), n_out=intermediate)
-        cfg = choose_config(path, P, min(P, num_loras * E), intermediate or 1, 2, topk_ids.device, rank=rank)
-        # both block lists from one construction (the same launches on a GPU)
-        base, lora = make_block_lists(topk_ids, token_lora, E, [base_list, (num_loras, cfg.block_m)],
-                                      values_checked=validate)
-        return LayerPlan(base, lora, IN_GEMM["epilogue"] if in_gemm else path, **plan)
 
 
 def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=None, w13_lora_b=None,
@@ -225,7 +115,6 @@ def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=No
     get_path(lora_path, "lora_path", KERNEL_CHOICES)
     with_lora = L is not None
     if in_k is not None:
-        from .layer_in_k import check_in_k      # layer_in_k builds on this module
         check_in_k(in_k, w13, w2, w13_lora_b, w2_lora_b)
     ranges = check_lora_ranks(lora_ranks, L, r) if with_lora else []
     checked = check_plan(plan, topk_ids, token_lora, E, L, r) if plan is not None else False
@@ -268,7 +157,6 @@ def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=No
                                 lora13=GemmLoRA(token_lora, w13_lora_a, w13_lora_b, lora_ranks),
                                 lora2=GemmLoRA(token_lora, w2_lora_a, w2_lora_b, lora_ranks), tracer=tracer)
         if run == "in_k":
-            from .layer_in_k import in_k_layer
             return in_k_layer(x, topk_ids, topk_weights, token_lora, in_k.w13_ext, in_k.w2_ext, w13_lora_a,
                               w2_lora_a, plan=plan, lora_ranks=lora_ranks, validate=False, tracer=tracer)
         if run == "epilogue":

@@ -37,7 +37,7 @@ from ._backend import INTERPRET, on_device
 from .blocks import LayerPlan
 from .dispatch import choose_config
 from .kernels.in_k import shrink_tail_kernel
-from .layer import IN_GEMM, plan_layer
+from .layer_plan import IN_GEMM, plan_layer
 from .moe import gemm_tiles, moe_gemm, silu_and_mul, tail_start, topk_sum
 from .ops import run_lora
 from .paths import _precision

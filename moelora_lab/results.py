@@ -38,7 +38,7 @@ class StaleDataError(RuntimeError):
 def _rule_table() -> list:
     """What every tile and dispatch rule returns over a fixed grid of shapes (the input of the hash)."""
     from .dispatch import CONFIGS, choose_path, gpu_config
-    from .layer import gpu_schedule
+    from .layer_plan import gpu_schedule
     from .moe import MAX_FUSED_COLUMNS, gpu_gemm_tiles
     from .streams import SIDE_PRIORITIES
 

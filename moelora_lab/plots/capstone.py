@@ -95,7 +95,7 @@ def auto_path(features: Mapping) -> str:
 
 def auto_schedule(features: Mapping) -> str:
     """What ``schedule="auto"`` runs on a GPU for a schedule case, by the current rule (``layer.gpu_schedule``)."""
-    from ..layer import gpu_schedule
+    from ..layer_plan import gpu_schedule
 
     return gpu_schedule(features["pairs"], features["num_experts"])
 
