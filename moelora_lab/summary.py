@@ -124,6 +124,9 @@ def _layer_section(layer) -> list[str]:
         out.append(line(f"LoRA r={rank}, `schedule=\"auto\"` / no LoRA", ratio(rank, "auto", "no_lora")))
         out.append(line(f"LoRA r={rank}, max(byte, FLOP floor) / time",
                         lambda m, r=rank: f"{t[r, m, 'auto']['roofline_us'] / t[r, m, 'auto']['us_median']:.2f}"))
+    for rank in ranks:
+        if any((rank, m, "in_k") in t for m in ms):
+            out.append(line(f"LoRA r={rank}, `schedule=\"in_k\"` / no LoRA", ratio(rank, "in_k", "no_lora")))
     out.append(line("our base GEMMs / `torch._grouped_mm`", ratio(16, "base_gemms", "grouped_mm")))
     out.append(line("routing plan [µs]", lambda m: f"{t[16, m, 'plan']['us_median']:.1f}"))
     if all((16, m, "auto_plan") in t for m in ms):
