@@ -21,6 +21,7 @@ from ..align import make_blocks
 from ..config import MoEShape, layer_lora_weights
 from ..moe import GemmLoRA, gemm_tiles, moe_gemm
 from ..profile import timing
+from ..profile.gpu_state import GpuMonitor
 from ..results import write_csv
 from .common import (base_weights, device, grouped_mm_fns, progress, seeded_generator, sweep_parser,
                      sweep_routing)
@@ -94,6 +95,7 @@ def run(args) -> list[dict]:
                         fn = lambda: moe_gemm(inp, w, blocks[bm], out, top_k=k, topk_weights=weights,
                                               tiles=tiles, lora=extra)
                         error, med, p20, p80 = "", "", "", ""
+                        state = GpuMonitor(reader=None)
                         try:
                             got = fn().float().clone()
                             if want is None:
@@ -102,7 +104,8 @@ def run(args) -> list[dict]:
                             if not ok:
                                 error = "output differs from the default tiles"
                             else:
-                                t = timing.time_cuda(fn)
+                                with GpuMonitor() as state:
+                                    t = timing.time_cuda(fn)
                                 med, p20, p80 = round(t.median_us, 2), round(t.p20_us, 2), round(t.p80_us, 2)
                         except Exception as exc:    # e.g. out of shared memory for this tile: record, go on
                             error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
@@ -111,7 +114,8 @@ def run(args) -> list[dict]:
                                          **{k_.lower(): v for k_, v in tiles.items()},
                                          us_median=med, us_p20=p20, us_p80=p80,
                                          grouped_mm_us=round(grouped[op], 2),
-                                         grouped_mm_pair_us=round(grouped["pair"], 2), error=error, **prov))
+                                         grouped_mm_pair_us=round(grouped["pair"], 2), error=error,
+                                         **state.summary(), **prov))
             torch.cuda.empty_cache()
             args.out.mkdir(parents=True, exist_ok=True)
             write_csv(rows, args.out / f"{args.name}.csv")

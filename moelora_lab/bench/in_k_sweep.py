@@ -25,6 +25,7 @@ from ..layer import moe_lora_layer, plan_layer
 from ..layer_in_k import in_k_layer, pack_w13_in_k, pack_w2_in_k, w2_in_k_layer
 from ..moe import gemm_tiles, moe_gemm
 from ..profile import timing
+from ..profile.gpu_state import GpuMonitor
 from .common import base_weights, device, progress, seeded_generator, sweep_parser, sweep_routing
 
 NAME = "in_k"
@@ -82,13 +83,14 @@ def run(args) -> list[dict]:
                 if not torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max())):
                     raise RuntimeError(f"{preset} M={M} r={rank}: {name} differs from dual_stream "
                                        f"(largest difference {float((got - want).abs().max()):.3g})")
-            timed = timing.time_cuda_interleaved(fns, rounds=ROUNDS)
+            with GpuMonitor() as state:
+                timed = timing.time_cuda_interleaved(fns, rounds=ROUNDS)
             for name in VARIANTS:
                 t = timed[name]
                 if not isinstance(t, timing.Timing):
                     raise RuntimeError(f"{preset} M={M} r={rank} {name}: {t}")
                 rows.append(dict(preset=preset, M=M, rank=rank, loras=L, variant=name, us_median=round(t.median_us, 2),
-                                 us_p20=round(t.p20_us, 2), us_p80=round(t.p80_us, 2), **prov))
+                                 us_p20=round(t.p20_us, 2), us_p80=round(t.p80_us, 2), **state.summary(), **prov))
             del lora, w2_ext, w13_ext
             torch.cuda.empty_cache()
     return rows

@@ -36,6 +36,7 @@ from ..layer import SIDE_PRIORITIES, fused_fits, moe_lora_layer, plan_layer, res
 from ..layer_in_k import pack_in_k
 from ..moe import gemm_tiles, moe_gemm
 from ..profile import timing
+from ..profile.gpu_state import GpuMonitor
 from ..profile.timeline import capture_timeline, overlap_metrics, save_traces
 from ..profile.trace_events import export_trace_files
 from ..profile.traffic import count_workload, layer_traffic
@@ -88,7 +89,7 @@ def run_layer(args) -> tuple[list[dict], dict]:
         plan_l = plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I, schedule="sequential")
         plan_f = plan_layer(ids, tl, E, L, rank, schedule="fused") if fused_fits(L, rank) else None
         plan_e = plan_layer(ids, tl, E, L, rank, schedule="epilogue") if fused_fits(L, rank) else None
-        plan_a = plan_layer(ids, tl, E, L, rank)
+        plan_a = plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I)      # as moe_lora_layer builds it
         plan_b = plan_layer(ids, tl, E, None, None)
         base = (x, ids, tw, tl, w13, w2)
         pack = pack_in_k(w13, w2, lora["w13_lora_b"], lora["w2_lora_b"])     # a second copy: the bench's only
@@ -123,7 +124,8 @@ def run_layer(args) -> tuple[list[dict], dict]:
         floors = {True: layer_traffic(shape, rank, work, lora_path=plan_l.lora_path)["floor"],
                   False: layer_traffic(shape, rank, work, with_lora=False)["floor"]}
         names = [n for n in args.variants if n not in ("fused", "epilogue") or plan_f is not None]
-        timed = timing.time_cuda_interleaved({n: fns[n] for n in names}, rounds=ROUNDS)   # L*r too wide: no in-GEMM
+        with GpuMonitor() as state:                  # the clock and power while this case's variants ran
+            timed = timing.time_cuda_interleaved({n: fns[n] for n in names}, rounds=ROUNDS)   # L*r too wide: no in-GEMM
         for name in names:
             error, t = "", timed[name]
             if isinstance(t, timing.Timing):
@@ -148,7 +150,7 @@ def run_layer(args) -> tuple[list[dict], dict]:
                              floor_us=round(floor.floor_us(copy_bps), 2),
                              roofline_us=round(max(floor.floor_us(copy_bps), floor.flops / flops_per_s * 1e6), 2),
                              copy_tbps=round(copy_bps / 1e12, 4), matmul_tflops=round(flops_per_s / 1e12, 1),
-                             error=error, **prov))
+                             error=error, **state.summary(), **prov))
         if M in args.trace_tokens and rank in args.trace_ranks:
             for sched in ("sequential", "dual_stream") + (("fused", "epilogue") if plan_f is not None else ()):
                 pl = {"fused": plan_f, "epilogue": plan_e}.get(sched, plan_l)

@@ -1,0 +1,51 @@
+"""The GPU state monitor: what it records from its readings, and that it invents none."""
+import threading
+import time
+
+import pytest
+import torch
+
+from moelora_lab.profile.gpu_state import FIELDS, GpuMonitor, default_reader
+
+
+def test_summary_of_the_samples_read_while_the_block_ran():
+    readings = iter([(1980.0, 610.5, 61.0), (1755.0, 700.2, 66.0), (1830.0, 655.0, 64.0)])
+    done = threading.Event()
+
+    def reader():
+        try:
+            return next(readings)
+        except StopIteration:
+            done.set()
+            raise RuntimeError("no more readings")         # a failed reading is skipped
+
+    with GpuMonitor(reader=reader, interval_s=0.001) as mon:
+        assert done.wait(5)
+    assert mon.summary() == dict(sm_mhz_min=1755, sm_mhz_mean=1855, power_w_mean=655.2, power_w_max=700.2,
+                                 temp_c_max=66)
+    count = len(mon.samples)
+    time.sleep(0.01)
+    assert len(mon.samples) == count == 3                    # the thread stopped with the block
+
+
+def test_no_reader_no_numbers():
+    with GpuMonitor(reader=None) as mon:
+        pass
+    assert mon.summary() == dict.fromkeys(FIELDS, "")
+    if not torch.cuda.is_available():
+        assert default_reader() is None
+    with pytest.raises(ValueError, match="interval_s: must be positive"):
+        GpuMonitor(reader=None, interval_s=0)
+
+
+@pytest.mark.gpu
+def test_reads_the_gpu_it_times(device):
+    if device != "cuda":
+        pytest.skip("needs a CUDA GPU")
+    with GpuMonitor(interval_s=0.01) as mon:
+        a = torch.randn(4096, 4096, device="cuda")
+        for _ in range(20):
+            a = a @ a / 64
+        torch.cuda.synchronize()
+    s = mon.summary()
+    assert s["sm_mhz_min"] > 0 and s["power_w_max"] > 0, s
