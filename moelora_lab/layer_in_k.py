@@ -31,20 +31,16 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import triton
 
 from ._backend import INTERPRET, on_device
 from .blocks import LayerPlan
-from .dispatch import choose_config
-from .kernels.in_k import shrink_tail_kernel
+from .in_k_launch import gemm_after_shrink, shrink_tail as _shrink_tail
 from .layer_plan import IN_GEMM, plan_layer
 from .moe import gemm_tiles, moe_gemm, silu_and_mul, tail_start, topk_sum
 from .ops import run_lora
-from .paths import _precision
 from .streams import Streams
 from .validate import check_layer_inputs, check_lora_ranks, check_plan, check_values, routing_ranges
 
-FILL_ROWS = 32        # pairs per zero-filling program of the shrink launch
 W13_ONE_READ = True   # in_k_layer's w13 shrink writes both slices from one read of x
 
 
@@ -228,11 +224,13 @@ def w2_in_k_layer(x, topk_ids, topk_weights, token_lora, w13, w2_ext, w13_lora_a
 
 def in_k_layer(x, topk_ids, topk_weights, token_lora, w13_ext, w2_ext, w13_lora_a, w2_lora_a, *,
                plan: LayerPlan | None = None, lora_ranks: torch.Tensor | None = None, validate: bool = True,
-               tracer=None) -> torch.Tensor:
+               tracer=None, overlap: bool = False) -> torch.Tensor:
     """y [M, H] of the MoE layer with LoRA, as :func:`moelora_lab.moe_lora_layer` computes it, with both
     LoRA ops in their GEMMs' K, on one stream (``w13_ext`` from :func:`pack_w13_in_k`, ``w2_ext`` from
     :func:`pack_w2_in_k`). ``plan``: from ``plan_layer(..., schedule="sequential")`` on these routing
-    tensors (built here if None). Other arguments as for the layer."""
+    tensors (built here if None). ``overlap``: each shrink and its GEMM as one launch, the GEMM tiles
+    waiting for the shrink only before their tail K steps (``kernels/in_k_overlap``; an experiment,
+    not what ``schedule="in_k"`` runs). Other arguments as for the layer."""
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         raise TypeError(f"x: expected a tensor [M, H], got {getattr(x, 'shape', type(x).__name__)}")
     H = x.shape[1]
@@ -251,6 +249,9 @@ def in_k_layer(x, topk_ids, topk_weights, token_lora, w13_ext, w2_ext, w13_lora_
         streams = Streams(False, x.device, tracer)
         t13 = x.new_empty(2, P, L * r)
         c1, h_ext = x.new_empty(P, 2 * I), x.new_empty(P, I + L * r)
+        if overlap:
+            return _overlapped(x, plan, token_lora32, topk_weights, w13_lora_a, w2_lora_a[0], w13_ext, w2_ext, t13,
+                               c1, h_ext, streams, lora_ranks, M, k, H, I, r)
         with streams.stage("shrink_w13", "main"):
             _shrink_tail(x, w13_lora_a, plan, token_lora32, k, t13, I, r, lora_ranks, token_rows=True,
                          one_read=W13_ONE_READ)
@@ -258,6 +259,24 @@ def in_k_layer(x, topk_ids, topk_weights, token_lora, w13_ext, w2_ext, w13_lora_
             moe_gemm(x, w13_ext, plan.base_blocks, c1, top_k=k, tiles=gemm_tiles(P, E), x_tail=t13)
         _act_and_shrink(c1, None, h_ext, w2_lora_a[0], plan, token_lora32, streams, k, H, I, r, lora_ranks)
         return _w2_and_sum(h_ext, w2_ext, plan, token_lora32, topk_weights, streams, M, k, H)
+
+
+def _overlapped(x, plan, token_lora32, topk_weights, a13, a2, w13_ext, w2_ext, t13, c1, h_ext, streams, lora_ranks,
+                M: int, k: int, H: int, I: int, r: int):
+    """``in_k_layer(..., overlap=True)`` from its buffers on: each shrink in one launch with its GEMM."""
+    P = M * k
+    with streams.stage("w13+lora", "main"):
+        gemm_after_shrink(x, a13, plan, token_lora32, k, t13, I, r, lora_ranks, x, w13_ext, c1, x_cols=H,
+                          tail_at=tail_start(H), token_rows=True, one_read=W13_ONE_READ)
+    with streams.stage("act", "main"):
+        silu_and_mul(c1, h_ext[:, :I], top_k=k)
+    c3, y = x.new_empty(P, H), x.new_empty(M, H)
+    with streams.stage("w2+lora", "main"):
+        gemm_after_shrink(h_ext, [a2], plan, token_lora32, k, h_ext[:, I:].unsqueeze(0), H, r, lora_ranks, h_ext,
+                          w2_ext, c3, x_cols=I, tail_at=I, topk_weights=topk_weights.reshape(-1).float().contiguous())
+    with streams.stage("sum", "main"):
+        topk_sum(c3, y, top_k=k)
+    return y
 
 
 def _act_and_shrink(c1, delta, h_ext, a2, plan, token_lora32, streams, k: int, H: int, I: int, r: int,
@@ -281,31 +300,3 @@ def _w2_and_sum(h_ext, w2_ext, plan, token_lora32, topk_weights, streams, M: int
     with streams.stage("sum", "main"):
         topk_sum(c3, y, top_k=k)
     return y
-
-
-def _shrink_tail(src, lora_a, plan, token_lora, top_k: int, tail, n_out: int, r: int, lora_ranks, *,
-                 token_rows: bool = False, one_read: bool = False) -> None:
-    """The whole tail [S, P, L*r] (a view: unit column stride) in one launch: the shrink T = A_s src of
-    every pair with an adapter in its slot's columns, zeros in every other column; ``src`` holds one
-    row per pair, or per token with ``token_rows`` (w13's x); ``one_read`` (two slices): one program
-    writes both slices' tile from one read of its rows. Tiles: the LoRA op's shrink tiles (``n_out``
-    its output columns per slice). Not what keeps w13's shrink from its byte floor: on the H200 (bf16,
-    qwen3-30b-a3b, 4 adapters, one read) these tiles came within 4.5%, 0% and 6.2% of the best of 18
-    tilings (BLOCK_M 32/64/128 x BLOCK_K 64/128/256 x 4 warps and 3 stages or 8 and 4) at r 16, M 2048
-    and 8192 and r 64, M 8192, where at r 16, M 8192 it took 88 us against a byte floor of about 27 us
-    (x, A and T once): every pair reads its token's x row again, top-k times per row in all."""
-    blocks = plan.lora_blocks
-    S, P, LR = tail.shape
-    L, E, _, K = lora_a[0].shape
-    cfg = choose_config("two_kernel", P, min(P, L * E), n_out, S, src.device, rank=r)
-    block_r, rank_tiles = cfg.rank_tiling(r)
-    fill = triton.cdiv(P, FILL_ROWS)
-    both = one_read and S == 2
-    shrink_tail_kernel[(blocks.num_blocks + fill, (1 if both else S) * rank_tiles)](
-        src, lora_a[0], lora_a[-1], tail, *blocks.tensors, token_lora,
-        blocks.block_lora if lora_ranks is None else lora_ranks,
-        P, blocks.num_blocks, top_k, K, r, LR, rank_tiles, src.stride(0), *lora_a[0].stride(), tail.stride(1),
-        tail.stride(0), BLOCK_M=blocks.block_size, BLOCK_K=cfg.block_k, BLOCK_R=block_r,
-        BLOCK_LR=triton.next_power_of_2(LR), FILL_ROWS=FILL_ROWS, DOT_PRECISION=_precision(src),
-        HAS_RANKS=lora_ranks is not None, TOKEN_ROWS=token_rows, BOTH_SLICES=both, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)

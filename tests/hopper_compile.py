@@ -16,7 +16,7 @@ os.environ["MOELORA_INTERPRET"] = "0"
 import triton  # noqa: E402  (after the switch: moelora_lab is imported below, kernels after it)
 
 import moelora_lab  # noqa: E402,F401
-from moelora_lab.kernels import align, base_moe, combine, in_k, one_shot, small_batch, two_kernel  # noqa: E402
+from moelora_lab.kernels import align, base_moe, combine, in_k, in_k_overlap, one_shot, small_batch, two_kernel  # noqa: E402,E501
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
@@ -150,6 +150,22 @@ def main():
                                                                        W_TMA=True), num_warps=8, num_stages=4))
     print(f"moe_gemm 128 x 256, x tail -> {tail_gemm}; without -> {plain_gemm}")
     assert tail_gemm["stack"] == 0, tail_gemm
+    # the shrink and its GEMM in one launch (in_k_overlap), at the GEMM's largest tiles: w13 (token rows, TMA for W,
+    # both slices shrunk from one read) and w2 (pair rows, routing weights, W by pointer)
+    overlap = dict(ptrs("h_ptr", "a0_ptr", "a1_ptr", "tail_ptr", "x_ptr", "w_ptr", "out_ptr"), counters_ptr=i32,
+                   s_sorted_pairs_ptr=i32, s_block_lora_ptr=i32, s_block_expert_ptr=i32, token_lora_ptr=i32,
+                   lora_ranks_ptr=i32, topk_weights_ptr="*fp32", sorted_pairs_ptr=i32, block_expert_ptr=i32,
+                   w_desc="tensordesc<bf16[256, 64]>")
+    overlap_c = dict(S_BLOCK_M=64, S_BLOCK_K=64, BLOCK_R=16, BLOCK_LR=64, FILL_ROWS=32, HAS_RANKS=False,
+                     BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, DOT_PRECISION="tf32")
+    for name, extra in (("w13", dict(S_TOKEN_ROWS=True, BOTH_SLICES=True, TOKEN_ROWS=True, MUL_ROUTED_WEIGHT=False,
+                                      W_TMA=True)),
+                        ("w2", dict(S_TOKEN_ROWS=False, BOTH_SLICES=False, TOKEN_ROWS=False, MUL_ROUTED_WEIGHT=True,
+                                    W_TMA=False))):
+        res = resources(build(in_k_overlap.gemm_after_shrink_kernel, overlap, dict(overlap_c, **extra), num_warps=8,
+                              num_stages=4))
+        print(f"ok in_k_overlap.gemm_after_shrink {name} -> {res}")
+        assert res["stack"] == 0, res
 
 
 if __name__ == "__main__":

@@ -48,6 +48,44 @@ def test_layer_matches_reference(device, rank, M, kw, layer):
         assert_close(layer(p), ml.moe_layer_reference(**p.layer_inputs()), dtype)
 
 
+@pytest.mark.parametrize("rank, M, kw", [(8, 9, dict(no_adapter_fraction=0.3)), (5, 20, {}), (16, 1, {}),
+                                         (8, 33, dict(no_adapter_fraction=1.0))])
+def test_shrink_beside_its_gemm_matches_reference(device, rank, M, kw):
+    """overlap=True: each shrink and its GEMM as one launch of ticketed programs (kernels/in_k_overlap)."""
+    for dtype in dtypes(device):
+        p = problem(device, dtype, M=M, rank=rank, seed=rank + 3 * M, **kw)
+        assert_close(run_both(p, overlap=True), ml.moe_layer_reference(**p.layer_inputs()), dtype)
+    p = problem(device, rank=16, seed=14, adapter_ranks=(3, 16, 5), no_adapter_fraction=0.3)
+    ranks = torch.tensor(p.adapter_ranks, device=device)
+    assert_close(run_both(p, overlap=True, lora_ranks=ranks), ml.moe_layer_reference(**p.layer_inputs()),
+                 torch.float32)
+
+
+def test_one_launch_runs_every_shrink_program_before_any_gemm_tail(device):
+    """The launch's counters after it: every program drew one ticket, every shrink program counted itself
+    done; the GEMM's output has every row written (poisoned before)."""
+    from moelora_lab.in_k_launch import gemm_after_shrink
+    p = problem(device, M=13, rank=8, seed=2, no_adapter_fraction=0.3)
+    inputs = p.layer_inputs()
+    E, I, H, k = SHAPE.num_experts, SHAPE.intermediate, SHAPE.hidden, SHAPE.top_k
+    P, L = 13 * k, 3
+    w13_ext = pack_w13_in_k(inputs["w13"], inputs["w13_lora_b"])
+    plan = plan_layer(p.topk_ids, p.token_lora, E, L, 8, hidden=H, intermediate=I, schedule="sequential")
+    t13 = poisoned((2, P, L * 8), torch.float32, device)
+    out = poisoned((P, 2 * I), torch.float32, device)
+    counters = torch.zeros(2, dtype=torch.int32, device=device)
+    gemm_after_shrink(p.x, p.w13_lora_a, plan, p.token_lora.to(torch.int32), k, t13, I, 8, None, p.x, w13_ext, out,
+                      x_cols=H, tail_at=tail_start(H), token_rows=True, one_read=True, counters=counters)
+    tiles = gemm_tiles(P, E)
+    n_gemm = plan.base_blocks.num_blocks * 2 * -(-I // tiles["BLOCK_N"])
+    tickets, done = counters.tolist()
+    assert tickets == done + n_gemm and done > 0
+    want = moe_gemm(p.x, w13_ext, plan.base_blocks, poisoned((P, 2 * I), torch.float32, device), top_k=k,
+                    tiles=tiles, x_tail=t13)
+    assert not torch.isnan(out).any()
+    assert_close(out, want, torch.float32)
+
+
 @pytest.mark.parametrize("layer", [run, run_both], ids=["w2_in_k", "in_k"])
 def test_actual_adapter_ranks_and_a_plan(device, layer):
     p = problem(device, rank=16, seed=13, adapter_ranks=(3, 16, 5), no_adapter_fraction=0.3)

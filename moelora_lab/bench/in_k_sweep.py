@@ -6,12 +6,15 @@ Per (preset, rank, M), timed together in interleaved rounds (CUDA-graph replays,
   dual_stream    the layer with LoRA, both LoRA ops on the side stream (the default on a GPU)
   w2_in_k        w13's LoRA on the side stream, w2's in the w2 GEMM's K (``w2_in_k_layer``)
   in_k           both LoRA ops in their GEMMs' K, one stream (``in_k_layer``)
+  in_k_overlap   the same with each shrink and its GEMM as one launch, the GEMM tiles waiting for the
+                 shrink only before their tail K steps (``in_k_layer(..., overlap=True)``)
   w13_gemm       the plain w13 GEMM over x [M, H]
   w13_gemm_in_k  the same GEMM with its last K steps from T1 [2, P, L*r] and w13_ext: what the wider K costs
   w2_gemm        the plain w2 GEMM over h [P, I]
   w2_gemm_in_k   the same GEMM over h_ext [P, I + L*r] and w2_ext: what the wider K costs
 
-``w2_in_k`` and ``in_k`` must agree with ``dual_stream`` before anything is timed. Routing plans are
+``w2_in_k``, ``in_k`` and ``in_k_overlap`` must agree with ``dual_stream`` before anything is timed. Routing
+plans are
 built once, outside the timed region, as in ``bench layer``.
 
 Shape legend: M tokens, E experts, k top-k, L adapters, r rank, H hidden, I expert intermediate.
@@ -30,7 +33,8 @@ from .common import base_weights, device, progress, seeded_generator, sweep_pars
 
 NAME = "in_k"
 ROUNDS = 3
-VARIANTS = ("no_lora", "dual_stream", "w2_in_k", "in_k", "w13_gemm", "w13_gemm_in_k", "w2_gemm", "w2_gemm_in_k")
+VARIANTS = ("no_lora", "dual_stream", "w2_in_k", "in_k", "in_k_overlap", "w13_gemm", "w13_gemm_in_k", "w2_gemm",
+            "w2_gemm_in_k")
 
 
 def add_parser(sub):
@@ -70,6 +74,7 @@ def run(args) -> list[dict]:
                 "dual_stream": lambda: moe_lora_layer(*base, **lora, schedule="dual_stream", plan=plan),
                 "w2_in_k": lambda: w2_in_k_layer(x, ids, tw, tl, w13, w2_ext, **in_k, plan=plan),
                 "in_k": lambda: in_k_layer(x, ids, tw, tl, w13_ext, w2_ext, **both, plan=plan),
+                "in_k_overlap": lambda: in_k_layer(x, ids, tw, tl, w13_ext, w2_ext, **both, plan=plan, overlap=True),
                 "w13_gemm": lambda: moe_gemm(x, w13, plain.base_blocks, c1, top_k=k, tiles=tiles),
                 "w13_gemm_in_k": lambda: moe_gemm(x, w13_ext, plain.base_blocks, c1, top_k=k, tiles=tiles, x_tail=t13),
                 "w2_gemm": lambda: moe_gemm(h, w2, plain.base_blocks, c3, top_k=k, topk_weights=wflat, tiles=tiles),
@@ -78,7 +83,7 @@ def run(args) -> list[dict]:
             }
             want = fns["dual_stream"]().float()
             tol = 2e-2 if dtype != torch.float32 else 1e-4
-            for name in ("w2_in_k", "in_k"):
+            for name in ("w2_in_k", "in_k", "in_k_overlap"):
                 got = fns[name]().float()
                 if not torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max())):
                     raise RuntimeError(f"{preset} M={M} r={rank}: {name} differs from dual_stream "

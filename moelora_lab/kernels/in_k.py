@@ -66,8 +66,22 @@ def shrink_tail_kernel(
     """Program (block, slice * rank tiles + rank tile): tail[s, rows, l*R + r-tile] = h[rows] @ A_s[l, e,
     r-tile]^T (with BOTH_SLICES, program (block, rank tile) writes slices 0 and 1). Programs past the
     blocks (rank tile 0 of each slice): zeros into FILL_ROWS pairs' tails, but for their own columns."""
-    block = tl.program_id(0)
-    slice_id, rt = tl.program_id(1) // rank_tiles, tl.program_id(1) % rank_tiles
+    _shrink_tail_program(tl.program_id(0), tl.program_id(1), h_ptr, a0_ptr, a1_ptr, tail_ptr, sorted_pairs_ptr,
+                         block_lora_ptr, block_expert_ptr, token_lora_ptr, lora_ranks_ptr, num_pairs, num_blocks, top_k,
+                         K, R, LR, rank_tiles, stride_hm, stride_al, stride_ae, stride_ar, stride_ak, stride_tm,
+                         stride_ts, BLOCK_M, BLOCK_K, BLOCK_R, BLOCK_LR, FILL_ROWS, DOT_PRECISION, HAS_RANKS,
+                         TOKEN_ROWS, BOTH_SLICES)
+
+
+@triton.jit
+def _shrink_tail_program(block, column, h_ptr, a0_ptr, a1_ptr, tail_ptr, sorted_pairs_ptr, block_lora_ptr,
+                         block_expert_ptr, token_lora_ptr, lora_ranks_ptr, num_pairs, num_blocks, top_k, K, R, LR,
+                         rank_tiles, stride_hm, stride_al, stride_ae, stride_ar, stride_ak, stride_tm, stride_ts,
+                         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                         BLOCK_LR: tl.constexpr, FILL_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                         HAS_RANKS: tl.constexpr, TOKEN_ROWS: tl.constexpr, BOTH_SLICES: tl.constexpr):
+    """The work of ``shrink_tail_kernel``'s program (block, column), wherever it is launched from."""
+    slice_id, rt = column // rank_tiles, column % rank_tiles
     tail_ptr += slice_id.to(tl.int64) * stride_ts
     if block >= num_blocks:
         if rt == 0:
