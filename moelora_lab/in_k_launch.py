@@ -55,7 +55,8 @@ def shrink_tail(src, lora_a, plan, token_lora, top_k: int, tail, n_out: int, r: 
 
 def gemm_after_shrink(src, lora_a, plan, token_lora, top_k: int, tail, n_out: int, r: int, lora_ranks, x, w_ext,
                       out, *, x_cols: int, tail_at: int, topk_weights=None, token_rows: bool = False,
-                      one_read: bool = False, counters: torch.Tensor | None = None) -> torch.Tensor:
+                      one_read: bool = False, counters: torch.Tensor | None = None,
+                      max_spins: int | None = None) -> torch.Tensor:
     """:func:`shrink_tail` and then ``moe_gemm(x, w_ext, plan.base_blocks, out, x_tail=tail)`` as one
     launch (``kernels/in_k_overlap``): the GEMM tiles wait for the shrink only before their tail K
     steps. ``x`` [M or P, >= x_cols] with unit column stride; ``tail`` [S, P, C] (a view of x's buffer
@@ -63,7 +64,7 @@ def gemm_after_shrink(src, lora_a, plan, token_lora, top_k: int, tail, n_out: in
     weights in columns [0, x_cols) (zeros up to tail_at) and the tail's from tail_at. Tiles: the
     GEMM's rule (``gemm_tiles``; its warps and stages for the whole launch) and the shrink's.
     ``counters``: int32 [2] zeros on x's device (made here if None); after the launch they hold the
-    tickets drawn and the shrink programs done."""
+    tickets drawn and the shrink programs done. ``max_spins``: the kernel's MAX_SPINS (its default if None)."""
     s_grid, s_args, s_meta, _ = _shrink_parts(src, lora_a, plan, token_lora, top_k, tail, n_out, r, lora_ranks,
                                               token_rows=token_rows, one_read=one_read)
     E, N, K = w_ext.shape
@@ -97,5 +98,5 @@ def gemm_after_shrink(src, lora_a, plan, token_lora, top_k: int, tail, n_out: in
         P, top_k, N, blocks.num_blocks, n_slice, x_cols, tail_at, C, offset // x.element_size(),
         x.stride(0), w_ext.stride(0), w_ext.stride(1), out.stride(0), tail.stride(0), tail.stride(1),
         **s_meta, **tiles, TOKEN_ROWS=x.shape[0] != P or top_k == 1, MUL_ROUTED_WEIGHT=mul, W_TMA=w_tma,
-        num_warps=warps, num_stages=stages)
+        num_warps=warps, num_stages=stages, **({} if max_spins is None else dict(MAX_SPINS=max_spins)))
     return out

@@ -84,6 +84,11 @@ def test_one_launch_runs_every_shrink_program_before_any_gemm_tail(device):
                     tiles=tiles, x_tail=t13)
     assert not torch.isnan(out).any()
     assert_close(out, want, torch.float32)
+    # a done counter that never reaches the shrink's count: every tile gives up after max_spins reads, writes NaN
+    counters = torch.tensor([0, -1], dtype=torch.int32, device=device)
+    gemm_after_shrink(p.x, p.w13_lora_a, plan, p.token_lora.to(torch.int32), k, t13, I, 8, None, p.x, w13_ext, out,
+                      x_cols=H, tail_at=tail_start(H), token_rows=True, one_read=True, counters=counters, max_spins=3)
+    assert torch.isnan(out).all()
 
 
 @pytest.mark.parametrize("layer", [run, run_both], ids=["w2_in_k", "in_k"])

@@ -13,7 +13,8 @@ tickets below ``num_shrink`` do the work of one shrink program and then count th
 done (acquire), then run their tail K steps. The ticket, not the program id, decides the work: a
 GEMM program that waits exists only after every shrink program was handed out to a running program,
 and shrink programs wait on nothing, so the wait always ends (no assumption on the order in which
-the hardware starts programs). While the shrink, bound by its gathers of x rows, runs, the GEMM's
+the hardware starts programs). Should the counts ever disagree, a tile stops waiting after MAX_SPINS
+reads and writes NaN, which every check of the output catches, rather than hang the GPU. While the shrink, bound by its gathers of x rows, runs, the GEMM's
 first tiles use the tensor cores.
 """
 import triton
@@ -29,7 +30,7 @@ def _gemm_tail_program(pid, x_ptr, w_ptr, w_desc, out_ptr, topk_weights_ptr, sor
                        tail_off, stride_xm, stride_we, stride_wn, stride_om, stride_ts, stride_tp,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                        TOKEN_ROWS: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, W_TMA: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr):
+                       DOT_PRECISION: tl.constexpr, MAX_SPINS: tl.constexpr):
     """GEMM tile ``pid`` (numbered as ``moe_gemm_kernel``'s programs): x's K steps, the wait, T's K steps."""
     slice_tiles = tl.cdiv(n_slice, BLOCK_N)
     n_tiles = (N // n_slice) * slice_tiles
@@ -59,9 +60,13 @@ def _gemm_tail_program(pid, x_ptr, w_ptr, w_desc, out_ptr, topk_weights_ptr, sor
                 wk = tl.load(w_base + ks[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
             acc = tl.dot(xk, wk, acc, input_precision=DOT_PRECISION)
         done = tl.atomic_add(done_ptr, 0, sem="acquire")
-        while done < num_shrink:                                   # every shrink program has written its part
+        spins = 0
+        while (done < num_shrink) & (spins < MAX_SPINS):          # every shrink program has written its part
             done = tl.atomic_add(done_ptr, 0, sem="acquire")
+            spins += 1
         tl.debug_barrier()
+        if done < num_shrink:          # never reached when the counts are right: a NaN tile, not a hung GPU
+            acc += float("nan")
         t_off = tail_off + slice_id.to(tl.int64) * stride_ts + pairs.to(tl.int64)[:, None] * stride_tp
         for c0 in range(0, tail_cols, BLOCK_K):                    # the pair's own row of T
             cs = c0 + offs_k
@@ -101,6 +106,7 @@ def gemm_after_shrink_kernel(
     FILL_ROWS: tl.constexpr, HAS_RANKS: tl.constexpr, S_TOKEN_ROWS: tl.constexpr, BOTH_SLICES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     TOKEN_ROWS: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, W_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MAX_SPINS: tl.constexpr = 1 << 22,   # reads of the done counter before a tile gives up (NaN), about seconds
 ):
     """Program with ticket t: shrink program (t // shrink_columns, t % shrink_columns) for t < num_shrink,
     else GEMM tile t - num_shrink."""
@@ -118,4 +124,4 @@ def gemm_after_shrink_kernel(
                            block_expert_ptr, counters_ptr + 1, num_shrink, num_pairs, top_k, N, num_blocks, n_slice,
                            x_cols, tail_at, tail_cols, tail_off, stride_xm, stride_we, stride_wn, stride_om,
                            stride_gts, stride_gtp, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TOKEN_ROWS, MUL_ROUTED_WEIGHT,
-                           W_TMA, DOT_PRECISION)
+                           W_TMA, DOT_PRECISION, MAX_SPINS)
