@@ -21,7 +21,7 @@ zero-fill and no separate add pass.
 import triton
 import triton.language as tl
 
-from .common import block_rows, slice_pointers, slot_rank
+from .common import block_rows, gemm_tile, slice_pointers, slot_rank
 
 
 @triton.jit
@@ -75,19 +75,12 @@ def moe_gemm_kernel(
     row of T: one K loop whose steps past tail_at read T (pair rows) instead of x (token rows), by
     switching the rows' offsets, so the LoRA rides the same pipeline (x's columns unit-strided).
     """
-    pid = tl.program_id(0)
-    slice_tiles = tl.cdiv(n_slice, BLOCK_N)           # N tiles never straddle two slices
-    n_tiles = (N // n_slice) * slice_tiles
-    first = (pid // (GROUP_M * n_tiles)) * GROUP_M
-    group = tl.minimum(num_blocks - first, GROUP_M)
-    block = first + (pid % (GROUP_M * n_tiles)) % group
-    pid_n = (pid % (GROUP_M * n_tiles)) // group
+    block, slice_id, n0 = gemm_tile(tl.program_id(0), N, n_slice, num_blocks, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + block)
     if expert < 0:
         return
     pairs, valid, x_rows = block_rows(sorted_pairs_ptr, block, num_pairs, top_k, BLOCK_M, TOKEN_ROWS)
-    slice_id = pid_n // slice_tiles
-    n_local = (pid_n % slice_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_local = n0 + tl.arange(0, BLOCK_N)
     n_ok = n_local < n_slice
     offs_n = slice_id * n_slice + n_local
     offs_k = tl.arange(0, BLOCK_K)
@@ -115,7 +108,7 @@ def moe_gemm_kernel(
                     + col_r[None, :] * stride_tr, mask=hit & col_ok[None, :], other=0.0)
         acc = _expand(acc, t, hit, col_ok, col_l, col_r, b_ptr, expert, n_local, n_ok, stride_be, stride_bl,
                       stride_br, stride_bn, x_ptr.dtype.element_ty, DOT_PRECISION)
-    w_row0 = expert * N + slice_id * n_slice + (pid_n % slice_tiles) * BLOCK_N      # the tile's first W row
+    w_row0 = expert * N + slice_id * n_slice + n0                                    # the tile's first W row
     if X_TAIL:
         x_off = x_rows.to(tl.int64) * stride_xm                                               # [BM]
         t_off = tail_off + slice_id.to(tl.int64) * stride_ts + pairs.to(tl.int64) * stride_tp   # [BM]

@@ -57,3 +57,17 @@ def rank_tile_runs(rt, r_lim, BLOCK_R: tl.constexpr, HAS_RANKS: tl.constexpr):
     if HAS_RANKS:
         run = (rt == 0) | (rt * BLOCK_R < r_lim)
     return run
+
+
+@triton.jit
+def gemm_tile(pid, N, n_slice, num_blocks, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program ``pid`` of a grouped GEMM over expert blocks -> (block, slice, the tile's first column in
+    the slice). Programs are numbered GROUP_M blocks at a time, N tiles inside a group, so neighbours
+    in time share x rows through L2; N tiles never straddle two slices."""
+    slice_tiles = tl.cdiv(n_slice, BLOCK_N)
+    n_tiles = (N // n_slice) * slice_tiles
+    first = (pid // (GROUP_M * n_tiles)) * GROUP_M
+    group = tl.minimum(num_blocks - first, GROUP_M)
+    block = first + (pid % (GROUP_M * n_tiles)) % group
+    pid_n = (pid % (GROUP_M * n_tiles)) // group
+    return block, pid_n // slice_tiles, (pid_n % slice_tiles) * BLOCK_N

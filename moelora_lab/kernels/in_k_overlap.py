@@ -20,7 +20,7 @@ first tiles use the tensor cores.
 import triton
 import triton.language as tl
 
-from .common import block_rows
+from .common import block_rows, gemm_tile
 from .in_k import _shrink_tail_program
 
 
@@ -32,22 +32,16 @@ def _gemm_tail_program(pid, x_ptr, w_ptr, w_desc, out_ptr, topk_weights_ptr, sor
                        TOKEN_ROWS: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, W_TMA: tl.constexpr,
                        DOT_PRECISION: tl.constexpr, MAX_SPINS: tl.constexpr):
     """GEMM tile ``pid`` (numbered as ``moe_gemm_kernel``'s programs): x's K steps, the wait, T's K steps."""
-    slice_tiles = tl.cdiv(n_slice, BLOCK_N)
-    n_tiles = (N // n_slice) * slice_tiles
-    first = (pid // (GROUP_M * n_tiles)) * GROUP_M
-    group = tl.minimum(num_blocks - first, GROUP_M)
-    block = first + (pid % (GROUP_M * n_tiles)) % group
-    pid_n = (pid % (GROUP_M * n_tiles)) // group
+    block, slice_id, n0 = gemm_tile(pid, N, n_slice, num_blocks, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + block)
     if expert >= 0:
         pairs, valid, x_rows = block_rows(sorted_pairs_ptr, block, num_pairs, top_k, BLOCK_M, TOKEN_ROWS)
-        slice_id = pid_n // slice_tiles
-        n_local = (pid_n % slice_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_local = n0 + tl.arange(0, BLOCK_N)
         n_ok = n_local < n_slice
         offs_n = slice_id * n_slice + n_local
         offs_k = tl.arange(0, BLOCK_K)
         w_base = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn
-        w_row0 = expert * N + slice_id * n_slice + (pid_n % slice_tiles) * BLOCK_N
+        w_row0 = expert * N + slice_id * n_slice + n0
         x_off = x_rows.to(tl.int64)[:, None] * stride_xm
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, x_cols, BLOCK_K):                       # x's own columns: no wait
