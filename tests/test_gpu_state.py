@@ -49,3 +49,29 @@ def test_reads_the_gpu_it_times(device):
         torch.cuda.synchronize()
     s = mon.summary()
     assert s["sm_mhz_min"] > 0 and s["power_w_max"] > 0, s
+
+
+def test_nvidia_smi_reader_asks_the_visible_gpu_and_parses_its_answer(monkeypatch):
+    """Without pynvml the monitor asks nvidia-smi about the GPU torch uses: CUDA_VISIBLE_DEVICES' entry
+    for the current device, not torch's index."""
+    from moelora_lab.profile import gpu_state
+
+    asked = []
+
+    class Done:
+        def __init__(self, stdout):
+            self.stdout = stdout
+
+    def fake_run(command, **kw):
+        asked.append(command)
+        return Done("1755, 612.34, 63\n")
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    monkeypatch.setattr(gpu_state.torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(gpu_state.subprocess, "run", fake_run)
+    read = gpu_state._smi_reader()
+    assert read() == (1755.0, 612.34, 63.0)
+    assert asked[-1][:3] == ["nvidia-smi", "-i", "5"]
+
+    monkeypatch.setattr(gpu_state.subprocess, "run", lambda command, **kw: Done("[N/A], [N/A], 40\n"))
+    assert gpu_state._smi_reader() is None                   # a GPU that reports no clock: no reader
