@@ -11,7 +11,7 @@ import triton
 from .dispatch import choose_config
 from .kernels.in_k import shrink_tail_kernel
 from .kernels.in_k_overlap import gemm_after_shrink_kernel
-from .moe import _tma_fits, _w_descriptor, gemm_tiles
+from .moe import gemm_tiles, launch_tiles
 from .paths import _precision
 
 FILL_ROWS = 32        # pairs per zero-filling program of the shrink launch
@@ -73,10 +73,7 @@ def gemm_after_shrink(src, lora_a, plan, token_lora, top_k: int, tail, n_out: in
     if K != tail_at + C or x.stride(-1) != 1 or tail.stride(2) != 1 or offset % x.element_size():
         raise ValueError(f"w_ext, tail: expected w_ext [E, N, tail_at + C] = [.., .., {tail_at + C}] and unit column "
                          f"strides, element-aligned with x; got w_ext {tuple(w_ext.shape)}")
-    tiles = dict(gemm_tiles(P, E))
-    warps, stages = tiles.pop("num_warps"), tiles.pop("num_stages")
-    w_tma = tiles.pop("W_TMA", False)
-    w_tma = _tma_fits(w_ext) if w_tma == "auto" else w_tma
+    tiles, warps, stages, w_tma, w_desc = launch_tiles(gemm_tiles(P, E), w_ext)
     blocks = plan.base_blocks
     if tiles["BLOCK_M"] != blocks.block_size:
         raise ValueError(f"plan: base blocks of {blocks.block_size} pairs, but the GEMM's tiles take "
@@ -92,8 +89,8 @@ def gemm_after_shrink(src, lora_a, plan, token_lora, top_k: int, tail, n_out: in
     mul = topk_weights is not None
     s_meta = {("S_" + k if k in ("BLOCK_M", "BLOCK_K", "TOKEN_ROWS") else k): v for k, v in s_meta.items()}
     gemm_after_shrink_kernel[(n_shrink + n_gemm,)](
-        counters, n_shrink, s_grid[1], *s_args[:9], s_args[10], *s_args[12:],     # num_pairs, top_k: the GEMM's
-        x, w_ext, _w_descriptor(w_ext, tiles["BLOCK_N"], tiles["BLOCK_K"]) if w_tma else w_ext, out,
+        counters, n_shrink, s_grid[1], *s_args,
+        x, w_ext, w_desc, out,
         topk_weights if mul else out, blocks.sorted_pairs, blocks.block_expert,
         P, top_k, N, blocks.num_blocks, n_slice, x_cols, tail_at, C, offset // x.element_size(),
         x.stride(0), w_ext.stride(0), w_ext.stride(1), out.stride(0), tail.stride(0), tail.stride(1),

@@ -88,14 +88,7 @@ def moe_gemm(x: torch.Tensor, w: torch.Tensor, blocks: BlockList, out: torch.Ten
     if tiles["BLOCK_M"] != blocks.block_size:
         raise ValueError(f"blocks: block size {blocks.block_size} != BLOCK_M {tiles['BLOCK_M']}; build them with "
                          "block_list(..., block_size=gemm_tiles(...)['BLOCK_M'])")
-    warps, stages = tiles.pop("num_warps"), tiles.pop("num_stages")
-    tiles.setdefault("GROUP_M", 1)
-    w_tma = tiles.pop("W_TMA", False)
-    if w_tma not in (True, False, "auto"):
-        raise ValueError(f"tiles: W_TMA must be True, False or 'auto', got {w_tma!r}")
-    if w_tma == "auto":
-        w_tma = _tma_fits(w)
-    w_desc = _w_descriptor(w, tiles["BLOCK_N"], tiles["BLOCK_K"]) if w_tma else w
+    tiles, warps, stages, w_tma, w_desc = launch_tiles(tiles, w)
     mul = topk_weights is not None
     if lora is None:
         a = b = (w, w)                                  # never read
@@ -126,6 +119,20 @@ def moe_gemm(x: torch.Tensor, w: torch.Tensor, blocks: BlockList, out: torch.Ten
             X_TAIL=x_tail is not None,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages, **tiles)
     return out
+
+
+def launch_tiles(tiles: dict, w: torch.Tensor):
+    """A grouped GEMM's tile dict split for a launch: (the kernel's tile constexprs, warps, stages,
+    whether W tiles come by TMA, the W operand: its descriptor with TMA, else w itself)."""
+    tiles = dict(tiles)
+    warps, stages = tiles.pop("num_warps"), tiles.pop("num_stages")
+    tiles.setdefault("GROUP_M", 1)
+    w_tma = tiles.pop("W_TMA", False)
+    if w_tma not in (True, False, "auto"):
+        raise ValueError(f"tiles: W_TMA must be True, False or 'auto', got {w_tma!r}")
+    if w_tma == "auto":
+        w_tma = _tma_fits(w)
+    return tiles, warps, stages, w_tma, _w_descriptor(w, tiles["BLOCK_N"], tiles["BLOCK_K"]) if w_tma else w
 
 
 TAIL_ALIGN = 128      # the tail's weights start at a multiple of this column (every BLOCK_K of the rules divides it)

@@ -84,8 +84,8 @@ def gemm_after_shrink_kernel(
     shrink_columns,    # the shrink grid's second dimension (slices * rank tiles, or rank tiles)
     # the shrink (``in_k.shrink_tail_kernel``'s arguments)
     h_ptr, a0_ptr, a1_ptr, tail_ptr, s_sorted_pairs_ptr, s_block_lora_ptr, s_block_expert_ptr, token_lora_ptr,
-    lora_ranks_ptr, s_num_blocks, K, R, LR, rank_tiles, stride_hm, stride_al, stride_ae, stride_ar, stride_ak,
-    stride_tm, stride_ts,
+    lora_ranks_ptr, s_num_pairs, s_num_blocks, s_top_k, K, R, LR, rank_tiles, stride_hm, stride_al, stride_ae,
+    stride_ar, stride_ak, stride_tm, stride_ts,
     # the GEMM (``moe_gemm_kernel``'s, X_TAIL only):
     #   out[p] = (w *) (x_row(p) @ W[e, :, :x_cols]^T + T[s, p] @ W[e, :, tail_at:]^T)
     x_ptr,             # [M, >= x_cols] token rows (TOKEN_ROWS) or [P, >= x_cols], unit column stride
@@ -108,7 +108,7 @@ def gemm_after_shrink_kernel(
     if ticket < num_shrink:
         _shrink_tail_program(ticket // shrink_columns, ticket % shrink_columns, h_ptr, a0_ptr, a1_ptr, tail_ptr,
                              s_sorted_pairs_ptr, s_block_lora_ptr, s_block_expert_ptr, token_lora_ptr, lora_ranks_ptr,
-                             num_pairs, s_num_blocks, top_k, K, R, LR, rank_tiles, stride_hm, stride_al, stride_ae,
+                             s_num_pairs, s_num_blocks, s_top_k, K, R, LR, rank_tiles, stride_hm, stride_al, stride_ae,
                              stride_ar, stride_ak, stride_tm, stride_ts, S_BLOCK_M, S_BLOCK_K, BLOCK_R, BLOCK_LR,
                              FILL_ROWS, DOT_PRECISION, HAS_RANKS, S_TOKEN_ROWS, BOTH_SLICES)
         tl.debug_barrier()                                 # every thread's stores, then one release
