@@ -12,6 +12,8 @@ Per (preset, rank, M), timed together in interleaved rounds (CUDA-graph replays,
   w13_gemm_in_k  the same GEMM with its last K steps from T1 [2, P, L*r] and w13_ext: what the wider K costs
   w2_gemm        the plain w2 GEMM over h [P, I]
   w2_gemm_in_k   the same GEMM over h_ext [P, I + L*r] and w2_ext: what the wider K costs
+  w13_shrink     ``in_k``'s w13 shrink alone: T1 [2, P, L*r] from x (what the w13 GEMM's tail waits for)
+  w2_shrink      ``in_k``'s w2 shrink alone: T2 into h_ext's tail from h
 
 ``w2_in_k``, ``in_k`` and ``in_k_overlap`` must agree with ``dual_stream`` before anything is timed. Routing
 plans are
@@ -25,7 +27,8 @@ import torch
 
 from ..config import MoEShape, layer_lora_weights
 from ..layer import moe_lora_layer, plan_layer
-from ..layer_in_k import in_k_layer, pack_w13_in_k, pack_w2_in_k, w2_in_k_layer
+from ..in_k_launch import shrink_tail
+from ..layer_in_k import W13_ONE_READ, in_k_layer, pack_w13_in_k, pack_w2_in_k, w2_in_k_layer
 from ..moe import gemm_tiles, moe_gemm
 from ..profile import timing
 from ..profile.gpu_state import GpuMonitor
@@ -34,7 +37,7 @@ from .common import base_weights, device, progress, seeded_generator, sweep_pars
 NAME = "in_k"
 ROUNDS = 3
 VARIANTS = ("no_lora", "dual_stream", "w2_in_k", "in_k", "in_k_overlap", "w13_gemm", "w13_gemm_in_k", "w2_gemm",
-            "w2_gemm_in_k")
+            "w2_gemm_in_k", "w13_shrink", "w2_shrink")
 
 
 def add_parser(sub):
@@ -69,6 +72,7 @@ def run(args) -> list[dict]:
             c1 = torch.empty(P, 2 * I, device=device(), dtype=dtype)
             t13 = torch.randn(2, P, L * rank, device=device(), generator=gen, dtype=dtype)
             tiles, wflat = gemm_tiles(P, E), tw.reshape(-1).float().contiguous()
+            tl32, a2 = tl.to(torch.int32).contiguous(), lora["w2_lora_a"][0]
             fns = {
                 "no_lora": lambda: moe_lora_layer(*base, plan=plain),
                 "dual_stream": lambda: moe_lora_layer(*base, **lora, schedule="dual_stream", plan=plan),
@@ -80,6 +84,9 @@ def run(args) -> list[dict]:
                 "w2_gemm": lambda: moe_gemm(h, w2, plain.base_blocks, c3, top_k=k, topk_weights=wflat, tiles=tiles),
                 "w2_gemm_in_k": lambda: moe_gemm(h_ext, w2_ext, plain.base_blocks, c3, top_k=k, topk_weights=wflat,
                                                  tiles=tiles),
+                "w13_shrink": lambda: shrink_tail(x, lora["w13_lora_a"], plan, tl32, k, t13, I, rank, None,
+                                                  token_rows=True, one_read=W13_ONE_READ),
+                "w2_shrink": lambda: shrink_tail(h_ext, [a2], plan, tl32, k, h_ext[:, I:].unsqueeze(0), H, rank, None),
             }
             want = fns["dual_stream"]().float()
             tol = 2e-2 if dtype != torch.float32 else 1e-4
