@@ -230,7 +230,7 @@ def in_k_layer(x, topk_ids, topk_weights, token_lora, w13_ext, w2_ext, w13_lora_
     :func:`pack_w2_in_k`). ``plan``: from ``plan_layer(..., schedule="sequential")`` on these routing
     tensors (built here if None). ``overlap``: each shrink and its GEMM as one launch, the GEMM tiles
     waiting for the shrink only before their tail K steps (``kernels/in_k_overlap``; an experiment,
-    not what ``schedule="in_k"`` runs). Other arguments as for the layer."""
+    measured slower from M = 512 on, not what ``schedule="in_k"`` runs). Other arguments as for the layer."""
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         raise TypeError(f"x: expected a tensor [M, H], got {getattr(x, 'shape', type(x).__name__)}")
     H = x.shape[1]

@@ -14,8 +14,14 @@ done (acquire), then run their tail K steps. The ticket, not the program id, dec
 GEMM program that waits exists only after every shrink program was handed out to a running program,
 and shrink programs wait on nothing, so the wait always ends (no assumption on the order in which
 the hardware starts programs). Should the counts ever disagree, a tile stops waiting after MAX_SPINS
-reads and writes NaN, which every check of the output catches, rather than hang the GPU. While the shrink, bound by its gathers of x rows, runs, the GEMM's
-first tiles use the tensor cores.
+reads and writes NaN, which every check of the output catches, rather than hang the GPU.
+
+Measured on the H200 (``bench in_k``, data/h200/layer_in_k.csv), it loses to the two launches in series
+from M = 512 on: one launch has one set of resources, so every shrink program reserves the GEMM's
+pipeline buffers (at large M about 192 KiB of shared memory, one program per SM, where the shrink alone
+runs six or more per SM) and the shrink, bound by the latency of its row gathers, runs slower; its
+programs hold the SMs first and the GEMM tiles follow, so nothing overlaps. Kept as the measured
+experiment notebook 05 reads, not used by any schedule.
 """
 import triton
 import triton.language as tl
