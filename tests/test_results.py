@@ -93,3 +93,18 @@ def test_data_readme_lists_every_file():
         assert path.name in listed or any(
             "*" in n and path.name.startswith(n.split("*")[0]) and path.suffix == Path(n).suffix for n in listed), \
             f"{path.name} is committed but data/h200/README.md does not say what it is"
+
+
+def test_data_readme_clock_ranges_match_layer_in_k():
+    """The SM clocks the data README quotes for layer_in_k.csv are the file's."""
+    import re
+    text = " ".join((results.DATA_DIR / "README.md").read_text().split())
+    found = re.search(r"its mean SM clock during a case: (\d+)–(\d+) MHz up to M = 512, (\d+)–(\d+) at M = 2048, "
+                      r"(\d+)–(\d+) at M = 8192", text)
+    assert found, "data/h200/README.md: the sentence quoting layer_in_k.csv's SM clocks is gone"
+    clocks = {}
+    for row in results.read_csv(results.DATA_DIR / "layer_in_k.csv"):
+        band = "small" if row["M"] <= 512 else row["M"]
+        clocks.setdefault(band, []).append(row["sm_mhz_mean"])
+    quoted = [int(v) for v in found.groups()]
+    assert quoted == [int(f(clocks[b])) for b in ("small", 2048, 8192) for f in (min, max)]
