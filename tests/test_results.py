@@ -108,3 +108,14 @@ def test_data_readme_clock_ranges_match_layer_in_k():
         clocks.setdefault(band, []).append(row["sm_mhz_mean"])
     quoted = [int(v) for v in found.groups()]
     assert quoted == [int(f(clocks[b])) for b in ("small", 2048, 8192) for f in (min, max)]
+
+
+def test_data_readme_quotes_the_gpu_test_log():
+    """The GPU suite's count the data README quotes is the committed log's last line."""
+    import re
+    text = (results.DATA_DIR / "README.md").read_text()
+    quoted = re.search(r"`gpu_tests.log` \| the whole test suite on the GPU at (\w+)[^|]*?: (\d+) passed, none failed", text)
+    assert quoted, "data/h200/README.md: the gpu_tests.log row no longer says what the suite gave"
+    log = (results.DATA_DIR / "gpu_tests.log").read_text().strip().splitlines()
+    assert f"code {quoted.group(1)};" in log[0]
+    assert re.match(rf"{quoted.group(2)} passed, \d+ skipped in ", log[-1]) and "failed" not in log[-1]
