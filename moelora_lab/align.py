@@ -3,8 +3,9 @@
 ``block_list_device`` returns exactly what :func:`moelora_lab.routing.block_list` returns (the
 PyTorch version, kept as the readable spec); ``make_block_lists`` builds several lists from one
 routing (a layer's base and LoRA lists) in the same launches: one launch while the pairs are few
-(``SORT_MAX_PAIRS``), three beyond, chained on the GPU so that each kernel's programs are in place
-when the one before it ends; never a fill or a cast.
+(``SORT_MAX_PAIRS``) or while every program can count all of them itself (``RECOUNT_MAX_PAIRS``), three
+beyond, chained on the GPU so that each kernel's programs are in place when the one before it ends;
+never a fill or a cast.
 
 Shape legend: M tokens, k top-k, E experts, L adapters, n = M*k pairs, G groups of a list.
 """
@@ -17,13 +18,19 @@ import triton
 
 from ._backend import INTERPRET, on_device
 from .blocks import BlockList, RoutingStamp
-from .kernels.align import count_kernel, place_kernel, scan_kernel, sort_kernel
+from .kernels.align import count_kernel, place_kernel, recount_kernel, scan_kernel, sort_kernel
 from .routing import block_tensors, max_blocks
 from .validate import check_int, check_routing
 
 SORT_MAX_PAIRS = 256       # up to here one program per list sorts all pairs in registers (one launch; on the
                            # H200 the plan of 256 pairs took 8.2 µs sorted, 9.0 in three chained launches; of 512
                            # pairs 9.5 and 9.3, of 1024 pairs 12.0 and 9.9)
+RECOUNT_MAX_PAIRS = 512    # beyond, up to here one launch whose programs each count all pairs themselves (on the
+                           # H200 the layer's plan of 512 pairs took 8.1 µs recounted, 9.2 in three launches and 9.5
+                           # sorted; of 1024 pairs 9.5 recounted against 9.3; of 4096, 21 against 10.4)
+RECOUNT_SUB = 32           # pairs per chunk program of the recount
+HIST_PAIRS = 512           # pairs per histogram step of the recount (1024 took 1.4 µs more at 512 pairs)
+RECOUNT_WARPS = 4
 SUB = 128                  # beyond, pairs per chunk: one [SUB, SUB] comparison ranks them; smaller chunks
                            # (more, cheaper programs) while the pairs are few: ``chunk_pairs``
 SCAN_TILE = 4096           # elements of one scan step ([chunks, groups] tile)
@@ -74,10 +81,13 @@ def _block_tensors_device(topk_ids, token_lora, num_experts: int, lists) -> list
         if n <= SORT_MAX_PAIRS:
             NP = triton.next_power_of_2(max(n, 1))
             sort_kernel[(NL,)](ids, lora, *out, n, k, E, *scalars, NP=NP, FILL=1024, num_warps=sort_warps(NP))
+        elif n <= RECOUNT_MAX_PAIRS:
+            GP, BSP, NT = _table_sizes(rows)
+            NC = triton.cdiv(n, RECOUNT_SUB)
+            recount_kernel[(NC + NT, NL)](ids, lora, *out, n, k, E, NC, *scalars, SUB=RECOUNT_SUB, HB=HIST_PAIRS,
+                                          GP=GP, BB=TABLE_BLOCKS, BSP=BSP, num_warps=RECOUNT_WARPS)
         else:
-            GP = triton.next_power_of_2(max(r[0] for r in rows))      # pairs left out (group G) are never counted
-            BSP = triton.next_power_of_2(max(r[1] for r in rows))
-            NT = max(triton.cdiv(r[2], TABLE_BLOCKS) for r in rows)
+            GP, BSP, NT = _table_sizes(rows)
             sub = chunk_pairs(n)
             NC, GB = triton.cdiv(n, sub), min(GP, SCAN_GROUPS)
             counts = torch.empty(NL, NC, GP, dtype=torch.int32, device=dev)
@@ -86,12 +96,19 @@ def _block_tensors_device(topk_ids, token_lora, num_experts: int, lists) -> list
             ranks = torch.empty(NL, n if keep else 1, dtype=torch.int32, device=dev)
             chain = chained_launches(dev)
             count_kernel[(NC, NL)](ids, lora, counts, ranks, n, k, E, NC, *scalars, SUB=sub, GP=GP, RANKS=keep,
-                                   PDL=chain)
+                                   PDL=chain, num_warps=count_warps(n))
             scan_kernel[(GP // GB, NL)](counts, totals, NC, GB=GB, GP=GP, PDL=chain, launch_pdl=chain,
                                         CT=max(1, min(triton.next_power_of_2(NC), SCAN_TILE // GB)))
             place_kernel[(NC + NT, NL)](ids, lora, counts, totals, ranks, *out, n, k, E, NC, *scalars, SUB=sub,
                                         GP=GP, BB=TABLE_BLOCKS, BSP=BSP, RANKS=keep, PDL=chain, launch_pdl=chain)
     return [(pairs[p: p + B * bs], block_lora[b: b + B], block_expert[b: b + B]) for _, bs, B, p, b, _ in rows]
+
+
+def _table_sizes(rows) -> tuple[int, int, int]:
+    """GP (groups, padded; pairs left out, group G, are never counted), BSP (block size, padded) and the
+    table programs per list, for the lists' (G, BS, B, ...) rows."""
+    return (triton.next_power_of_2(max(r[0] for r in rows)), triton.next_power_of_2(max(r[1] for r in rows)),
+            max(triton.cdiv(r[2], TABLE_BLOCKS) for r in rows))
 
 
 def chained_launches(device: torch.device) -> bool:
@@ -102,20 +119,24 @@ def chained_launches(device: torch.device) -> bool:
 
 
 @contextlib.contextmanager
-def construction(*, sort_max_pairs: int | None = None, chained: bool | None = None):
+def construction(*, sort_max_pairs: int | None = None, recount_max_pairs: int | None = None,
+                 chained: bool | None = None):
     """Inside the block, build block lists another way (to measure what each rule buys): sort in one
-    program up to ``sort_max_pairs`` pairs instead of ``SORT_MAX_PAIRS``; chain the three launches or
-    not (``chained``, where the GPU can). None keeps the rule."""
-    global SORT_MAX_PAIRS, PDL
-    if sort_max_pairs is not None:
-        check_int("sort_max_pairs", sort_max_pairs, low=0)
-    saved = SORT_MAX_PAIRS, PDL
+    program up to ``sort_max_pairs`` pairs instead of ``SORT_MAX_PAIRS``; recount in one launch up to
+    ``recount_max_pairs`` instead of ``RECOUNT_MAX_PAIRS``; chain the three launches or not (``chained``,
+    where the GPU can). None keeps the rule."""
+    global SORT_MAX_PAIRS, RECOUNT_MAX_PAIRS, PDL
+    for name, value in (("sort_max_pairs", sort_max_pairs), ("recount_max_pairs", recount_max_pairs)):
+        if value is not None:
+            check_int(name, value, low=0)
+    saved = SORT_MAX_PAIRS, RECOUNT_MAX_PAIRS, PDL
     SORT_MAX_PAIRS = saved[0] if sort_max_pairs is None else sort_max_pairs
-    PDL = saved[1] if chained is None else bool(chained)
+    RECOUNT_MAX_PAIRS = saved[1] if recount_max_pairs is None else recount_max_pairs
+    PDL = saved[2] if chained is None else bool(chained)
     try:
         yield
     finally:
-        SORT_MAX_PAIRS, PDL = saved
+        SORT_MAX_PAIRS, RECOUNT_MAX_PAIRS, PDL = saved
 
 
 def sort_warps(padded_pairs: int) -> int:
@@ -123,10 +144,17 @@ def sort_warps(padded_pairs: int) -> int:
     return 4 if padded_pairs <= 256 else 8
 
 
+def count_warps(num_pairs: int) -> int:
+    """Warps of the three launches' count kernel: fewer as the chunks widen (on the H200 the layer's plan
+    of 8192 pairs took 10% less with 2 than with 4; of 65536 pairs 30% less with 1)."""
+    return 4 if num_pairs <= 4096 else 2 if num_pairs <= 8192 else 1
+
+
 def chunk_pairs(num_pairs: int) -> int:
-    """Pairs per chunk of the three-launch construction: 32 up to 4096 pairs, 64 up to 8192, SUB beyond
-    (on the H200 the plan of 2048 and 4096 pairs took 28% and 22% less than with 128-pair chunks)."""
-    return 32 if num_pairs <= 4096 else 64 if num_pairs <= 8192 else SUB
+    """Pairs per chunk of the three-launch construction: 32 up to 4096 pairs, 64 up to 16384, SUB beyond
+    (on the H200 the plan of 2048 and 4096 pairs took 28% and 22% less than with 128-pair chunks, the
+    layer's plan of 16384 pairs 3% less with 64 than with 128)."""
+    return 32 if num_pairs <= 4096 else 64 if num_pairs <= 16384 else SUB
 
 
 def make_block_lists(topk_ids: torch.Tensor, token_lora: torch.Tensor | None, num_experts: int, lists, *,

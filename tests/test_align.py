@@ -28,9 +28,11 @@ def test_device_blocks_equal_the_spec(device, seed, block_size):
         assert torch.equal(a, b)
 
 
-def test_device_blocks_many_chunks_and_edge_cases(device, monkeypatch):
-    # 2400 pairs in the three-launch construction: 19 chunks; one hot (adapter, expert)
+@pytest.mark.parametrize("recount_max_pairs", [0, 1 << 20])
+def test_device_blocks_many_chunks_and_edge_cases(device, monkeypatch, recount_max_pairs):
+    # 2400 pairs in the three-launch construction (19 chunks) or the recount (75); one hot (adapter, expert)
     monkeypatch.setattr(align, "SORT_MAX_PAIRS", 0)
+    monkeypatch.setattr(align, "RECOUNT_MAX_PAIRS", recount_max_pairs)
     g = torch.Generator().manual_seed(11)
     ids = torch.randint(0, 8, (1200, 2), generator=g).to(torch.int32)
     ids[:, 1] = (ids[:, 0] + 1) % 8
@@ -44,15 +46,22 @@ def test_device_blocks_many_chunks_and_edge_cases(device, monkeypatch):
     assert torch.all(got.block_lora == -1) and torch.all(got.sorted_pairs == 10)
 
 
-@pytest.fixture(params=["one_launch", "three_launches", "three_launches_wide"])
+@pytest.fixture(params=["one_launch", "recount", "three_launches", "three_launches_wide"])
 def launches(request, monkeypatch):
-    """Both constructions: one program per list sorting in registers, or count + scan + place (with
-    the chunk size of few pairs, or the widest chunks, used for many pairs; table programs of a few
-    blocks, so there are several)."""
-    if request.param.startswith("three_launches"):
+    """Every construction: one program per list sorting in registers; one launch whose programs each
+    count all pairs (histogram steps of a few pairs, so a chunk's start falls inside one); or count +
+    scan + place (with the chunk size of few pairs, or the widest chunks, used for many pairs). Table
+    programs of a few blocks, so there are several."""
+    if request.param != "one_launch":
         monkeypatch.setattr(align, "SORT_MAX_PAIRS", 0)
-        monkeypatch.setattr(align, "SCAN_TILE", 128)               # the scan then takes several steps
         monkeypatch.setattr(align, "TABLE_BLOCKS", 8)
+    if request.param == "recount":
+        monkeypatch.setattr(align, "RECOUNT_MAX_PAIRS", 1 << 30)
+        monkeypatch.setattr(align, "HIST_PAIRS", 64)              # chunk starts inside a step: partial steps
+        monkeypatch.setattr(align, "RECOUNT_SUB", 32)
+    if request.param.startswith("three_launches"):
+        monkeypatch.setattr(align, "RECOUNT_MAX_PAIRS", 0)
+        monkeypatch.setattr(align, "SCAN_TILE", 128)               # the scan then takes several steps
     if request.param == "three_launches_wide":
         monkeypatch.setattr(align, "chunk_pairs", lambda n: align.SUB)
     return request.param
@@ -60,9 +69,14 @@ def launches(request, monkeypatch):
 
 def test_launch_rules():
     # chunks grow with the pairs and never past SUB; the sort gets more warps for more pairs
-    sizes = [align.chunk_pairs(n) for n in (1, 4096, 4097, 8192, 8193, 1 << 20)]
+    pairs = (1, 4096, 4097, 8192, 8193, 16384, 16385, 1 << 20)
+    sizes = [align.chunk_pairs(n) for n in pairs]
     assert sizes == sorted(sizes) and sizes[0] < sizes[-1] == align.SUB
+    warps = [align.count_warps(n) for n in pairs]              # fewer warps for wider chunks
+    assert warps == sorted(warps, reverse=True) and warps[-1] >= 1
     assert align.sort_warps(8) <= align.sort_warps(align.SORT_MAX_PAIRS)
+    assert align.SORT_MAX_PAIRS < align.RECOUNT_MAX_PAIRS       # sort, then recount, then three launches
+    assert align.RECOUNT_MAX_PAIRS % align.RECOUNT_SUB == 0 and align.HIST_PAIRS & (align.HIST_PAIRS - 1) == 0
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -98,14 +112,16 @@ def test_more_than_two_lists_is_refused(device):
         align._block_tensors_device(ids, lora, E, [(None, 16)] * 3)
 
 
-@pytest.mark.parametrize("chained", [True, False])
-def test_three_launches_replayed_from_a_cuda_graph_follow_new_routing(device, monkeypatch, chained):
-    # the plan captured once and replayed on other routing in the same tensors (as a server does), with and
-    # without the launches chained on the GPU: each kernel must see all of the one before it
+@pytest.mark.parametrize("how", ["chained", "unchained", "recount"])
+def test_launches_replayed_from_a_cuda_graph_follow_new_routing(device, monkeypatch, how):
+    # the plan captured once and replayed on other routing in the same tensors (as a server does): the
+    # three launches with and without chaining on the GPU (each kernel must see all of the one before
+    # it), and the recount in one launch
     if device != "cuda":
         pytest.skip("CUDA graphs need a GPU")
     monkeypatch.setattr(align, "SORT_MAX_PAIRS", 0)
-    monkeypatch.setattr(align, "PDL", chained)
+    monkeypatch.setattr(align, "RECOUNT_MAX_PAIRS", 1 << 20 if how == "recount" else 0)
+    monkeypatch.setattr(align, "PDL", how == "chained")
     g = torch.Generator().manual_seed(21)
     M, E, k, L = 1500, 64, 6, 4
     routings = [(torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(M)]).to(torch.int32),
@@ -139,16 +155,21 @@ def test_launches_chain_only_where_the_gpu_can(device, monkeypatch):
 def test_construction_switches_the_rule_inside_and_restores_it(device):
     ids, lora, E, L = random_routing(3, device)
     want = block_list(ids, lora, E, L, 16).tensors
-    rule = (align.SORT_MAX_PAIRS, align.PDL)
-    for how in (dict(sort_max_pairs=0), dict(sort_max_pairs=1 << 20), dict(chained=False)):
+    def now():
+        return align.SORT_MAX_PAIRS, align.RECOUNT_MAX_PAIRS, align.PDL
+
+    rule = now()
+    for how in (dict(sort_max_pairs=0), dict(sort_max_pairs=1 << 20), dict(sort_max_pairs=0, recount_max_pairs=0),
+                dict(recount_max_pairs=1 << 20), dict(chained=False)):
         with align.construction(**how):
-            assert (align.SORT_MAX_PAIRS, align.PDL) != rule
+            assert now() != rule
             got = block_list_device(ids, lora, E, L, 16).tensors
-        assert all(torch.equal(a, b) for a, b in zip(got, want)) and (align.SORT_MAX_PAIRS, align.PDL) == rule
+        assert all(torch.equal(a, b) for a, b in zip(got, want)) and now() == rule
     with pytest.raises(RuntimeError, match="inside"):
         with align.construction(sort_max_pairs=0):
             raise RuntimeError("inside")
-    assert (align.SORT_MAX_PAIRS, align.PDL) == rule
-    with pytest.raises(ValueError, match="sort_max_pairs"):
-        with align.construction(sort_max_pairs=-1):
-            pass
+    assert now() == rule
+    for name in ("sort_max_pairs", "recount_max_pairs"):
+        with pytest.raises(ValueError, match=name):
+            with align.construction(**{name: -1}):
+                pass

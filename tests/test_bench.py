@@ -45,10 +45,14 @@ def test_kernels_and_align_pipeline(cpu_bench, tmp_path):
     one = [r for r in rows if r["path"] == "one_shot"][0]
     assert one["bytes"] > 0 and one["achieved_tbps"] > 0 and one["command"].startswith("python -m moelora_lab.bench")
     assert (tmp_path / "kernels_tiny.png").exists() and (tmp_path / "kernels_roofline.png").exists()
-    assert cli.main(["align", "--presets", "tiny", "--tokens", "3", "200", "--out", str(tmp_path)]) == 0
+    assert cli.main(["align", "--presets", "tiny", "--tokens", "3", "200", "1000", "--out", str(tmp_path)]) == 0
     methods = {(r["M"], r["method"]) for r in read_csv(tmp_path / "align.csv")}
-    assert {m for M, m in methods if M == 3} == {"torch_ops", "triton_kernels"}          # few pairs: the sort is the rule
-    assert {m for M, m in methods if M == 200} == {"torch_ops", "triton_kernels", "triton_unchained", "triton_sort"}
+    # the rule's construction (triton_kernels) and the others where they compete: few pairs sort (3 x 2), a
+    # few hundred recount (200 x 2), more run three launches (1000 x 2)
+    assert {m for M, m in methods if M == 3} == {"torch_ops", "triton_kernels", "triton_recount", "triton_three"}
+    assert {m for M, m in methods if M == 200} == {"torch_ops", "triton_kernels", "triton_sort", "triton_three"}
+    assert {m for M, m in methods if M == 1000} == {"torch_ops", "triton_kernels", "triton_sort", "triton_recount",
+                                                   "triton_unchained"}
 
 
 def test_layer_pipeline(cpu_bench, tmp_path):

@@ -1,8 +1,9 @@
 """``python -m moelora_lab.bench align``: the routing metadata (the block list of (adapter, expert)
 groups), made by the PyTorch spec (``routing.block_list``) and by the device kernels
-(``align.block_list_device``), checked equal, then each timed. Where the rule runs the three launches,
-two other constructions are timed beside it: the three launches not chained (``triton_unchained``)
-and, up to ``SORT_ROWS_MAX_PAIRS`` pairs, the one-program sort (``triton_sort``).
+(``align.block_list_device``), checked equal, then each timed. Beside the rule's construction the others
+are timed where they can compete: the one-program sort (``triton_sort``, up to ``SORT_ROWS_MAX_PAIRS``
+pairs), the one-launch recount (``triton_recount``, up to ``RECOUNT_ROWS_MAX_PAIRS``), the three launches
+(``triton_three``) and, where the rule runs those, the three not chained (``triton_unchained``).
 
 Shape legend: M tokens, E experts, k top-k, L adapters; BLOCK_M rows per block (``--block-size``).
 """
@@ -19,11 +20,12 @@ from .common import sweep_parser, sweep_routing
 
 NAME = "align"
 SORT_ROWS_MAX_PAIRS = 4096     # the one-program sort grows fast with the pairs (tens of µs past this)
+RECOUNT_ROWS_MAX_PAIRS = 4096  # so does the recount (every program reads all pairs)
 
 
 def add_parser(sub):
     a = sweep_parser(sub, NAME, "routing metadata: PyTorch ops vs device kernels", name="align",
-                     presets=("qwen3-30b-a3b", "deepseek-v2-lite"), tokens=(1, 16, 128, 512, 2048, 8192), dtype=False)
+                     presets=("qwen3-30b-a3b", "deepseek-v2-lite"), tokens=(1, 16, 64, 128, 512, 2048, 8192), dtype=False)
     a.add_argument("--block-size", type=int, default=16)
 
 
@@ -38,10 +40,15 @@ def run(args) -> list[dict]:
             fns = {"torch_ops": lambda: block_list(ids, lora, E, L, bs),
                    "triton_kernels": lambda: block_list_device(ids, lora, E, L, bs, validate=False)}
             n = M * shape.top_k
-            if n > align.SORT_MAX_PAIRS:
+            sorts, recounts = n <= align.SORT_MAX_PAIRS, align.SORT_MAX_PAIRS < n <= align.RECOUNT_MAX_PAIRS
+            if not sorts and n <= SORT_ROWS_MAX_PAIRS:
+                fns["triton_sort"] = _built(ids, lora, E, L, bs, sort_max_pairs=n)
+            if not recounts and n <= RECOUNT_ROWS_MAX_PAIRS:
+                fns["triton_recount"] = _built(ids, lora, E, L, bs, sort_max_pairs=0, recount_max_pairs=n)
+            if sorts or recounts:
+                fns["triton_three"] = _built(ids, lora, E, L, bs, sort_max_pairs=0, recount_max_pairs=0)
+            else:
                 fns["triton_unchained"] = _built(ids, lora, E, L, bs, chained=False)
-                if n <= SORT_ROWS_MAX_PAIRS:
-                    fns["triton_sort"] = _built(ids, lora, E, L, bs, sort_max_pairs=n)
             spec = fns["torch_ops"]().tensors
             for method, fn in list(fns.items())[1:]:              # every way against the spec
                 if not all(torch.equal(a, b) for a, b in zip(spec, fn().tensors)):

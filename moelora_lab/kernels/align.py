@@ -12,11 +12,16 @@ each kernel gets every list's G, BS, B, pairs offset, block offset and whether i
 adapter as scalars (G0 .. BY1: no descriptor to copy, so the launches can be captured in a CUDA
 graph). Pairs of a group stay ascending, as in the PyTorch spec.
 
-Few pairs (n <= a few hundred): one launch, one program per list.
+Few pairs (n <= 256): one launch, one program per list.
   sort_kernel   sorts the keys g*NP + p in registers (``tl.sort``); a pair's place in its group is
                 its distance from the group's first key, the group's first block an exclusive sum
                 of blocks over the group starts; then it writes the sentinel n everywhere, the pairs,
                 and each group's blocks in the table.
+Up to about 512 pairs: one launch, chunks of SUB pairs in parallel.
+  recount_kernel (NC + NT programs per list) every program counts the pairs of each group itself
+                (``tl.histogram`` over all n pairs; a chunk program also over those before its chunk),
+                then places its chunk's pairs or writes its part of the table as place_kernel does:
+                no program waits for another, at the price of reading all n pairs in every program.
 Many pairs: three launches, chunks of SUB pairs in parallel.
   count_kernel  (NC programs per list)    counts[c, g] = pairs of group g in chunk c ([SUB, SUB] compare;
                     with RANKS each pair's place in its chunk is kept for place_kernel, and a group's
@@ -185,6 +190,46 @@ def place_kernel(
         else:
             earlier = _earlier(g, ii)
         _scatter(sorted_pairs_ptr + pairs_at, pairs, g, G, BS, first, before, earlier)
+    else:
+        _table(block_lora_ptr + blocks_at, block_expert_ptr + blocks_at, sorted_pairs_ptr + pairs_at,
+               (pid - num_chunks) * BB + tl.arange(0, BB), first, totals, used, num_blocks, n, E, BS, GP, BSP)
+
+
+@triton.jit
+def recount_kernel(
+    topk_ids_ptr, token_lora_ptr,
+    sorted_pairs_ptr,  # [sum of B*BS] int32 out: every list's pairs, end to end
+    block_lora_ptr,    # [sum of B] int32 out: adapter of each block (0 for lists by expert), -1 = unused
+    block_expert_ptr,  # [sum of B] int32 out: expert of each block, -1 = unused
+    n, top_k, E, num_chunks,
+    G0, BS0, B0, P0, BA0, BY0, G1, BS1, B1, P1, BA1, BY1,
+    SUB: tl.constexpr, HB: tl.constexpr, GP: tl.constexpr, BB: tl.constexpr, BSP: tl.constexpr,
+):
+    """Program (chunk or table part, list): the whole list in one launch. No program waits for another's
+    counts: each counts every group itself (a histogram over all n pairs, HB at a time) and a chunk program
+    also the pairs before its chunk, then places its pairs or writes its part of the table as
+    ``place_kernel`` does. Redundant reads (every program reads all n pairs) instead of two more launches."""
+    pid, lst = tl.program_id(0), tl.program_id(1)
+    G, BS, num_blocks, pairs_at, blocks_at, by_adapter = _list(lst, G0, BS0, B0, P0, BA0, BY0,
+                                                               G1, BS1, B1, P1, BA1, BY1)
+    start = tl.where(pid < num_chunks, pid * SUB, n)           # count before here (table programs: all)
+    totals = tl.zeros((GP,), dtype=tl.int32)
+    before = tl.zeros((GP,), dtype=tl.int32)
+    for p0 in range(0, n, HB):
+        pairs = p0 + tl.arange(0, HB)
+        g = _group_of(topk_ids_ptr, token_lora_ptr, pairs, n, top_k, E, G, by_adapter)
+        counted = tl.histogram(g, GP, mask=g < G)
+        totals += counted
+        if p0 + HB <= start:
+            before += counted
+        elif p0 < start:
+            before += tl.histogram(g, GP, mask=(g < G) & (pairs < start))
+    blocks, first, used = _blocks(totals, tl.arange(0, GP), G, BS)
+    if pid < num_chunks:
+        ii = tl.arange(0, SUB)
+        pairs = pid * SUB + ii
+        g = _group_of(topk_ids_ptr, token_lora_ptr, pairs, n, top_k, E, G, by_adapter)
+        _scatter(sorted_pairs_ptr + pairs_at, pairs, g, G, BS, first, before, _earlier(g, ii))
     else:
         _table(block_lora_ptr + blocks_at, block_expert_ptr + blocks_at, sorted_pairs_ptr + pairs_at,
                (pid - num_chunks) * BB + tl.arange(0, BB), first, totals, used, num_blocks, n, E, BS, GP, BSP)
