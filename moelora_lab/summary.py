@@ -9,7 +9,7 @@ Shape legend: M tokens, E experts, k top-k, L adapters, r rank, K in, N out.
 from __future__ import annotations
 
 from . import results
-from .align import SORT_MAX_PAIRS
+from .align import RECOUNT_MAX_PAIRS, SORT_MAX_PAIRS
 
 PRESET = "qwen3-30b-a3b"
 TOKENS = (1, 8, 32, 128, 512, 2048, 8192)
@@ -47,7 +47,8 @@ def _op_section(kernels, vllm, align) -> list[str]:
     device = [v for (m, p, _), v in by.items() if m == "triton_kernels"]
     out += [f"The routing metadata of one block list costs {_span(torch_ops, '{:.0f}', ' µs')} built from PyTorch ops",
             f"(`block_list`) and {_span(device, '{:.0f}', ' µs')} from Triton kernels (`block_list_device`, used on",
-            f"GPUs: one launch up to {SORT_MAX_PAIRS} pairs, three chained launches beyond; `align.csv`, M = "
+            f"GPUs: one launch up to {RECOUNT_MAX_PAIRS} pairs (one sorting program per list up to {SORT_MAX_PAIRS}, "
+            "recounting programs beyond), three chained launches beyond; `align.csv`, M = "
             + ", ".join(str(m) for m in sorted({k[2] for k in by})) + ")."]
     return out
 
