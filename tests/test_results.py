@@ -95,15 +95,16 @@ def test_data_readme_lists_every_file():
             f"{path.name} is committed but data/h200/README.md does not say what it is"
 
 
-def test_data_readme_clock_ranges_match_layer_in_k():
-    """The SM clocks the data README quotes for layer_in_k.csv are the file's."""
+@pytest.mark.parametrize("name", ["layer.csv", "layer_in_k.csv"])
+def test_data_readme_clock_ranges_match_the_files(name):
+    """The SM clocks the data README quotes for a file are the file's."""
     import re
     text = " ".join((results.DATA_DIR / "README.md").read_text().split())
-    found = re.search(r"its mean SM clock during a case: (\d+)–(\d+) MHz up to M = 512, (\d+)–(\d+) at M = 2048, "
-                      r"(\d+)–(\d+) at M = 8192", text)
-    assert found, "data/h200/README.md: the sentence quoting layer_in_k.csv's SM clocks is gone"
+    found = re.search(rf"`{re.escape(name)}`, its mean SM clock during a case: (\d+)–(\d+) MHz up to M = 512, "
+                      r"(\d+)–(\d+) at M = 2048, (\d+)–(\d+) at M = 8192", text)
+    assert found, f"data/h200/README.md: the sentence quoting {name}'s SM clocks is gone"
     clocks = {}
-    for row in results.read_csv(results.DATA_DIR / "layer_in_k.csv"):
+    for row in results.read_csv(results.DATA_DIR / name):
         band = "small" if row["M"] <= 512 else row["M"]
         clocks.setdefault(band, []).append(row["sm_mhz_mean"])
     quoted = [int(v) for v in found.groups()]
