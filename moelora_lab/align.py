@@ -31,6 +31,9 @@ RECOUNT_MAX_PAIRS = 512    # beyond, up to here one launch whose programs each c
 RECOUNT_SUB = 32           # pairs per chunk program of the recount
 HIST_PAIRS = 512           # pairs per histogram step of the recount (1024 took 1.4 µs more at 512 pairs)
 RECOUNT_WARPS = 4
+# Not kept: two launches, a one-byte tally of 128-pair chunks and then placing programs that each scan the
+# whole tally themselves. The repeated scan grows with the pairs in every program: on the H200 the layer's
+# plan of 1024 pairs took 12.4 µs at best (9.0 in three launches), of 4096 pairs 29.6 (10.2).
 SUB = 128                  # beyond, pairs per chunk: one [SUB, SUB] comparison ranks them; smaller chunks
                            # (more, cheaper programs) while the pairs are few: ``chunk_pairs``
 SCAN_TILE = 4096           # elements of one scan step ([chunks, groups] tile)
