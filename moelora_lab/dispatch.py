@@ -103,12 +103,20 @@ def num_sms(device: torch.device) -> int:
 # * past r 128 (two rank tiles in every one-shot program) the same holds again for outputs at least
 #   ``VERY_WIDE_COLUMNS`` per slice (w2's N = 2048): two kernels up to ``WIDE_MAX_PAIRS`` pairs, 1.11x at
 #   r 256 and 16384 pairs on both presets, while deepseek's gate/up (1408 per slice) ran 1.10x faster on
-#   one-shot there;
+#   one-shot there; and for outputs of at most ``MAX_EXPAND_COLUMNS`` (qwen's gate/up, 768 per slice: two
+#   kernels 1.05x faster at r 256 and 16384 pairs);
 # * at r 64 with outputs of at most ``MAX_EXPAND_COLUMNS`` per slice (qwen's gate/up, 768), one-shot had
 #   caught up by 4096 pairs (1.04x faster; two kernels were 1.13x faster at 1024): two kernels only up to
 #   ``NARROW_TWO_KERNEL_MAX_PAIRS`` pairs there;
 # * the two-kernel path runs 2 warps when its blocks are at most 32 pairs and its rank tile at most 64
 #   wide (up to 9% faster at r 16; level at r 64); 4 warps for 64-pair blocks or wider rank tiles.
+# Refined at M = 2048 and 8192 (both presets, both ops, r 16 and 64, candidate tiles timed against the rule in
+# interleaved rounds on the H200; the rule before it never walked that far):
+# * with more than 24 pairs per group, a rank tile of 64 (and of 32, assumed alike) streams K in 128-wide
+#   steps: one-shot 1.00-1.12x faster in all eight cells, two kernels (with 2 stages) 1.03-1.13x in seven of eight (0.95x on qwen's
+#   gate/up at M = 2048, where auto runs one-shot);
+# * one-shot at r 16 with more than 48 pairs per group keeps 32-pair blocks on 4 warps instead of 64-pair
+#   blocks on 2: 1.03-1.15x in all four cells.
 TWO_KERNEL_MIN_RANK = 64
 TWO_KERNEL_MIN_PAIRS = 32
 TWO_KERNEL_MAX_PAIRS = 4096
@@ -118,6 +126,8 @@ WIDE_MAX_PAIRS = 16384
 VERY_WIDE_COLUMNS = 2048
 PROGRAMS_PER_SM = 4
 NARROW_RANK = 16            # rank tiles up to this wide: 2 warps, BLOCK_K 128 (measured at r 16 only)
+MID_RANK = 64               # wider rank tiles up to this wide, many pairs per group: BLOCK_K 128 (two kernels:
+                            # and 2 stages); measured at r 64 only
 MAX_EXPAND_COLUMNS = 1024
 TWO_KERNEL_NARROW_BLOCK_M = 32  # two-kernel blocks of at most this many pairs ...
 TWO_KERNEL_NARROW_RANK = 64     # ... and rank tiles at most this wide: 2 warps
@@ -129,14 +139,16 @@ def choose_path(num_pairs: int, num_experts: int, num_loras: int, rank: int, n_o
       ``MAX_EXPAND_COLUMNS`` per slice: 32..2048), where the two-kernel path's wider grid wins;
     * an output wider than ``MAX_EXPAND_COLUMNS`` per slice (``n_out``, N; None: unknown) at r < 128,
       or at least ``VERY_WIDE_COLUMNS`` at r > 128, with 128..16384 pairs, where one-shot programs walk
-      too many N tiles each."""
+      too many N tiles each;
+    * r > 128 and an output of at most ``MAX_EXPAND_COLUMNS`` per slice, up to 16384 pairs."""
     low = rank < 2 * TWO_KERNEL_MIN_RANK
     narrow = n_out is not None and n_out <= MAX_EXPAND_COLUMNS
     min_pairs = TWO_KERNEL_MIN_PAIRS if low else 1
     max_pairs = NARROW_TWO_KERNEL_MAX_PAIRS if low and narrow else TWO_KERNEL_MAX_PAIRS
     if rank >= TWO_KERNEL_MIN_RANK and min_pairs <= num_pairs <= max_pairs:
         return "two_kernel"
-    wide = n_out is not None and (not narrow if low else rank > 2 * TWO_KERNEL_MIN_RANK and n_out >= VERY_WIDE_COLUMNS)
+    wide = n_out is not None and (not narrow if low else rank > 2 * TWO_KERNEL_MIN_RANK
+                                  and (narrow or n_out >= VERY_WIDE_COLUMNS))
     if wide and WIDE_MIN_PAIRS <= num_pairs <= WIDE_MAX_PAIRS:
         return "two_kernel"
     return "one_shot"
@@ -165,7 +177,9 @@ def gpu_config(path: str, num_pairs: int, num_groups: int, n_out: int, num_slice
     """The GPU rule of :func:`choose_config` for a device with ``sms`` SMs (testable without one)."""
     per_group = num_pairs / max(num_groups, 1)
     base = CONFIGS["decode"] if per_group <= 24 else CONFIGS["prefill"]
-    block_m = 16 if per_group <= 24 else (32 if per_group <= 48 else 64)
+    tile = None if rank is None else base.rank_tiling(rank)[0]
+    narrow = tile is not None and tile <= NARROW_RANK
+    block_m = 16 if per_group <= 24 else (32 if per_group <= 48 or (narrow and path == "one_shot") else 64)
     blocks = max(1, num_pairs // block_m + min(num_groups, num_pairs))
     target = PROGRAMS_PER_SM * sms
     block_n, n_chunks = 128, 1
@@ -179,9 +193,13 @@ def gpu_config(path: str, num_pairs: int, num_groups: int, n_out: int, num_slice
         if block_m == 16:
             n_chunks = max(n_chunks, -(-n_out // MAX_EXPAND_COLUMNS))
     cfg = base.replace(block_m=block_m, block_n=block_n, n_chunks=n_chunks)
-    narrow = rank is not None and cfg.rank_tiling(rank)[0] <= NARROW_RANK
     if narrow and path == "one_shot":
-        cfg = cfg.replace(num_warps=2, block_k=128)
+        cfg = cfg.replace(num_warps=4 if per_group > 48 else 2, block_k=128)
+    if per_group > 24 and tile is not None and NARROW_RANK < tile <= MID_RANK:
+        if path == "one_shot":
+            cfg = cfg.replace(block_k=128)
+        elif path == "two_kernel":
+            cfg = cfg.replace(block_k=128, num_stages=2)
     if (path == "two_kernel" and rank is not None and block_m <= TWO_KERNEL_NARROW_BLOCK_M
             and cfg.rank_tiling(rank)[0] <= TWO_KERNEL_NARROW_RANK):
         cfg = cfg.replace(num_warps=2)
