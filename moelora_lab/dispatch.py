@@ -116,13 +116,15 @@ def num_sms(device: torch.device) -> int:
 #   steps: one-shot 1.00-1.12x faster in all eight cells, two kernels (with 2 stages) 1.03-1.13x in seven of eight (0.95x on qwen's
 #   gate/up at M = 2048, where auto runs one-shot);
 # * one-shot at r 16 with more than 48 pairs per group keeps 32-pair blocks on 4 warps instead of 64-pair
-#   blocks on 2: 1.03-1.15x in all four cells.
+#   blocks on 2: 1.03-1.15x in all four cells. With those tiles one-shot beat two kernels on wide outputs at
+#   r 16 from 12288 pairs (1.03-1.12x), so two kernels stop at ``LOW_WIDE_MAX_PAIRS`` pairs below r 64.
 TWO_KERNEL_MIN_RANK = 64
 TWO_KERNEL_MIN_PAIRS = 32
 TWO_KERNEL_MAX_PAIRS = 4096
 WIDE_MIN_PAIRS = 128
 NARROW_TWO_KERNEL_MAX_PAIRS = 2048
 WIDE_MAX_PAIRS = 16384
+LOW_WIDE_MAX_PAIRS = 8192   # below r 64 (one-shot's 32-pair blocks on 4 warps caught up by 12288 pairs)
 VERY_WIDE_COLUMNS = 2048
 PROGRAMS_PER_SM = 4
 NARROW_RANK = 16            # rank tiles up to this wide: 2 warps, BLOCK_K 128 (measured at r 16 only)
@@ -139,7 +141,7 @@ def choose_path(num_pairs: int, num_experts: int, num_loras: int, rank: int, n_o
       ``MAX_EXPAND_COLUMNS`` per slice: 32..2048), where the two-kernel path's wider grid wins;
     * an output wider than ``MAX_EXPAND_COLUMNS`` per slice (``n_out``, N; None: unknown) at r < 128,
       or at least ``VERY_WIDE_COLUMNS`` at r > 128, with 128..16384 pairs, where one-shot programs walk
-      too many N tiles each;
+      too many N tiles each (r < 64: up to ``LOW_WIDE_MAX_PAIRS``);
     * r > 128 and an output of at most ``MAX_EXPAND_COLUMNS`` per slice, up to 16384 pairs."""
     low = rank < 2 * TWO_KERNEL_MIN_RANK
     narrow = n_out is not None and n_out <= MAX_EXPAND_COLUMNS
@@ -149,7 +151,7 @@ def choose_path(num_pairs: int, num_experts: int, num_loras: int, rank: int, n_o
         return "two_kernel"
     wide = n_out is not None and (not narrow if low else rank > 2 * TWO_KERNEL_MIN_RANK
                                   and (narrow or n_out >= VERY_WIDE_COLUMNS))
-    if wide and WIDE_MIN_PAIRS <= num_pairs <= WIDE_MAX_PAIRS:
+    if wide and WIDE_MIN_PAIRS <= num_pairs <= (WIDE_MAX_PAIRS if rank >= TWO_KERNEL_MIN_RANK else LOW_WIDE_MAX_PAIRS):
         return "two_kernel"
     return "one_shot"
 
