@@ -147,7 +147,7 @@ def data(name: str, *, live: bool = False, bench: tuple[str, ...] | list[str] = 
     """Rows of the data file ``name``: committed (checked against the code) or, with ``live``,
     measured now by ``python -m moelora_lab.bench <bench...>`` into a temporary folder."""
     if not live:
-        return results.load(name)
+        return results.load(name, accept_older_rules=name in results.WALKS)
     if not bench:
         raise ValueError(f"bench: live data for {name!r} needs the benchmark's arguments, e.g. ['kernels', ...]")
     with tempfile.TemporaryDirectory() as tmp:
@@ -197,6 +197,8 @@ def traces(name: str = "layer", *, live: bool = False) -> dict:
 
 
 def source(rows: list[dict], *, live: bool = False) -> str:
-    """Which data a figure shows: 'measured now on ...' or 'committed data: ...'."""
-    row = rows[0] if isinstance(rows, list) else rows
-    return ("measured now: " if live else "committed data: ") + results.label(row)
+    """Which data a figure shows: 'measured now on ...' or 'committed data: ...' (with the
+    label of a tile walk measured under older rules, see :data:`results.WALKS`)."""
+    rows = rows if isinstance(rows, list) else [rows]
+    older = None if live or "config" not in rows[0] else results.older_rules(rows)
+    return ("measured now: " if live else "committed data: ") + results.label(rows[0]) + (f"; {older}" if older else "")

@@ -29,6 +29,11 @@ DATA_SCHEMA = 3
 DATA_DIR = Path(__file__).parent / "data" / "h200"
 REGENERATE = "bash scripts/gpu_data.sh"     # on a CUDA machine, from the repository root
 _FINGERPRINT_SMS = 132                      # the rules are fingerprinted for an H200's SM count
+# Tile walks: files that time a fixed set of tiles around the rule of their day. Whoever reads one
+# recomputes today's rule and says whether the walk timed it (plots.design.lora_rule_table's
+# `rule_in_data`), so a walk measured under older rules is still evidence: it is loaded with that
+# label (older_rules) instead of refused.
+WALKS = ("lora_tune",)
 
 
 class StaleDataError(RuntimeError):

@@ -56,6 +56,24 @@ def test_data_committed_and_live_switch(capsys, monkeypatch):
     assert lesson.source(rows).startswith("committed data: " + rows[0]["gpu"])
     with pytest.raises(ValueError, match="needs the benchmark's arguments"):
         lesson.data("registers", live=True)
+
+
+def test_a_tile_walk_under_older_rules_is_shown_with_that_label(tmp_path, monkeypatch):
+    """A walk (results.WALKS) measured under older rules loads, and its source says so; any other
+    file measured under older rules is refused."""
+    row = dict(M=1, us_median=2.5, gpu="G", torch="t", triton="x", date="2026-01-01", **results.stamp())
+    old = dict(row, config="0a0a0a0a0a0a", code="abc1234567")
+    monkeypatch.setattr(results, "DATA_DIR", tmp_path)
+    monkeypatch.setattr(results.load, "__defaults__", (tmp_path,) + results.load.__defaults__[1:])
+    for name in ("lora_tune", "registers"):
+        results.write_csv([old], tmp_path / f"{name}.csv")
+    got = lesson.data("lora_tune")
+    assert got[0]["us_median"] == 2.5
+    assert "measured under older tile and schedule rules (config 0a0a0a0a0a0a, code abc1234567)" in lesson.source(got)
+    with pytest.raises(results.StaleDataError, match="registers.csv was produced by other code"):
+        lesson.data("registers")
+    results.write_csv([row], tmp_path / "lora_tune.csv")
+    assert "older" not in lesson.source(lesson.data("lora_tune"))
     with pytest.raises(ValueError, match="no live traces"):
         lesson.traces("nothing", live=True)
 
