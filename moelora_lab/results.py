@@ -27,6 +27,7 @@ from pathlib import Path
 
 DATA_SCHEMA = 3
 DATA_DIR = Path(__file__).parent / "data" / "h200"
+HISTORY_DIR = DATA_DIR.parent / "history"   # earlier runs kept for a before/after comparison (older rules)
 REGENERATE = "bash scripts/gpu_data.sh"     # on a CUDA machine, from the repository root
 _FINGERPRINT_SMS = 132                      # the rules are fingerprinted for an H200's SM count
 # Tile walks: files that time a fixed set of tiles around the rule of their day. Whoever reads one

@@ -92,6 +92,18 @@ def test_every_committed_file_is_current():
                 f"{path.name}: {label}; say so in data/h200x2/README.md (section 'Measured under older rules')"
 
 
+def test_history_files_are_listed_and_labelled():
+    """Every file kept for a before/after comparison has the current schema, is measured under older rules
+    (else it belongs in data/h200) and is described in data/history/README.md."""
+    readme = " ".join((results.HISTORY_DIR / "README.md").read_text().split())
+    files = sorted(results.HISTORY_DIR.glob("*.csv"))
+    assert files
+    for path in files:
+        rows = load(path.stem, results.HISTORY_DIR, accept_older_rules=True)
+        assert results.older_rules(rows), f"{path.name} is measured under the current rules: move it to data/h200"
+        assert f"`{path.name}`" in readme and all(f"code {r['code']}" in readme for r in rows[:1]), path.name
+
+
 def test_data_readme_lists_every_file():
     text = (results.DATA_DIR / "README.md").read_text()
     listed = {name for name in __import__("re").findall(r"`([\w.*-]+\.(?:csv|json|log|png))`", text)}
