@@ -1,0 +1,68 @@
+"""Every tile the GPU rule (``dispatch.gpu_config``) can return computes the reference.
+
+The rule is asked over a grid of pairs, groups, output widths and ranks like the one its fingerprint
+hashes; each distinct tile it returns (path, BLOCK_M, BLOCK_N, BLOCK_K, rank tiling; with ``--gpu`` also
+warps and stages) runs once on a small problem whose sizes are not multiples of the tiles, its output
+poisoned first. On CPU the interpreter ignores warps and stages; ``--gpu`` runs the tiles as compiled.
+"""
+import pytest
+import torch
+
+import moelora_lab as ml
+from moelora_lab.dispatch import gpu_config
+from moelora_lab.ops import moe_lora
+from utils import assert_close, lora_case, poisoned
+
+PAIRS = (1, 16, 128, 1024, 4096, 16384, 65536)
+GROUPS = (1, 8, 64, 512)
+OUTPUTS = ((768, 2), (2048, 1), (1408, 2))      # (N per slice, slices) of the presets' w13 and w2
+RANKS = {16: 16, 32: 32, 64: 64, 128: 100, 256: 192}   # widest rank tile ... a rank not a power of two
+HIDDEN, INTER = 200, 150                        # K and N per slice: multiples of no tile
+
+
+def rule_tiles(device):
+    """{(path, tile key): (config, rank)}: one case per distinct tile the rule returns."""
+    out = {}
+    for path in ("one_shot", "two_kernel", "small_batch"):
+        for pairs in PAIRS:
+            for groups in GROUPS:
+                for n_out, slices in OUTPUTS:
+                    for rank in RANKS.values():
+                        cfg = gpu_config(path, pairs, min(groups, pairs), n_out, slices, 132, rank=rank)
+                        key = (cfg.block_m if path != "small_batch" else None,    # a per-pair GEMV: no blocks
+                               cfg.block_n, cfg.block_k, cfg.rank_tiling(rank))
+                        if device == "cuda":
+                            key += (cfg.num_warps, cfg.num_stages)
+                        out.setdefault((path, key), (cfg, rank))
+    return out
+
+
+def test_the_rule_returns_the_tiles_it_is_known_for():
+    """The grid reaches every BLOCK_M and BLOCK_K the rule has, so the test below runs them all."""
+    tiles = rule_tiles("cuda")
+    assert {k[1][0] for k in tiles if k[0] != "small_batch"} == {16, 32, 64}
+    assert {k[1][2] for k in tiles} == {64, 128}
+    assert {(k[0], k[1][5]) for k in tiles} >= {("two_kernel", 2), ("two_kernel", 3)}   # stages
+    assert {(k[0], k[1][4]) for k in tiles} >= {("one_shot", 2), ("one_shot", 4)}       # warps
+
+
+@pytest.mark.parametrize("path", ["one_shot", "two_kernel", "small_batch"])
+def test_every_rule_tile_against_the_reference(device, path):
+    cases = {key: v for (p, key), v in rule_tiles(device).items() if p == path}
+    assert len(cases) >= 6
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    for i, (key, (cfg, rank)) in enumerate(sorted(cases.items(), key=str)):
+        p = lora_case(12 if path == "small_batch" else 40, hidden=HIDDEN, inter=INTER, experts=4, top_k=2, loras=3, rank=rank, dtype=dtype,
+                      device=device, seed=i, no_adapter_fraction=0.25)
+        cfg = cfg.replace(n_chunks=min(cfg.n_chunks, -(-INTER // cfg.block_n)))   # the rule never exceeds N's tiles
+        if device == "cpu" and path == "small_batch":
+            cfg = cfg.replace(programs=3)      # a persistent grid smaller than the work: each program loops
+        args = tuple(p.w13_lora_inputs().values())
+        ref = ml.moe_lora_reference(*args)
+        out = moe_lora(*args, path=path, config=cfg, add_inputs=False, output=poisoned(ref.shape, dtype, device))
+        rows = (p.token_lora >= 0).view(-1, 1, 1).expand_as(out)
+        try:
+            assert_close(out.float()[rows], ref[rows], dtype)
+        except AssertionError as err:
+            raise AssertionError(f"{path}, tile {key}, rank {rank}: {err}") from None
+        assert torch.isnan(out[~rows].float()).all(), (path, key)
