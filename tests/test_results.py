@@ -66,30 +66,31 @@ def test_code_version(monkeypatch):
     assert results.code_version()                             # a commit here, 'unknown' without git
 
 
+def assert_current_or_labelled(path):
+    """The rows of ``path`` carry the current schema; measured under older rules, their folder's README
+    says so (section 'Measured under older rules', naming every commit they come from)."""
+    rows = load(path.stem, data_dir=path.parent, accept_older_rules=True)
+    label = results.older_rules(rows)
+    if label:
+        readme = " ".join((path.parent / "README.md").read_text().split())
+        codes = {str(r["code"]) for r in rows}
+        assert "Measured under older rules" in readme and all(f"code {c}" in readme for c in codes), \
+            f"{path.name}: {label}; say so in {path.parent.name}/README.md (section 'Measured under older rules')"
+
+
 def test_every_committed_file_is_current():
-    """Every CSV and the traces the notebooks read were produced by this code's schema and rules (the two-GPU
-    set may come from older rules, where its README says so)."""
-    readme = " ".join((results.DATA_DIR / "README.md").read_text().split())
+    """Every CSV and the traces the notebooks read were produced by this code's schema and rules (a tile
+    walk and the two-GPU set may come from older rules, where their README says so)."""
     for path in sorted(results.DATA_DIR.glob("*.csv")):
         if path.stem == "vllm_reference":                     # measured with vLLM's code, not ours
             continue
-        if path.stem in results.WALKS:                        # a tile walk: current, or labelled as older
-            rows = load(path.stem, accept_older_rules=True)
-            if results.older_rules(rows):
-                codes = {str(r["code"]) for r in rows}
-                assert "Measured under older rules" in readme and all(f"code {c}" in readme for c in codes), \
-                    f"{path.name}: measured under older rules; say so in data/h200/README.md"
-            continue
-        load(path.stem)
+        if path.stem in results.WALKS:
+            assert_current_or_labelled(path)
+        else:
+            load(path.stem)
     results.load_traces()
-    two_gpu = results.DATA_DIR.parent / "h200x2"
-    for path in sorted(two_gpu.glob("*.csv")):        # the two-GPU set: current, or labelled as older
-        label = results.older_rules(load(path.stem, data_dir=path.parent, accept_older_rules=True))
-        if label:
-            readme = (two_gpu / "README.md").read_text()
-            codes = {str(r["code"]) for r in results.read_csv(path)}
-            assert "Measured under older rules" in readme and all(f"code {c}" in readme for c in codes), \
-                f"{path.name}: {label}; say so in data/h200x2/README.md (section 'Measured under older rules')"
+    for path in sorted((results.DATA_DIR.parent / "h200x2").glob("*.csv")):
+        assert_current_or_labelled(path)
 
 
 def test_history_files_are_listed_and_labelled():
