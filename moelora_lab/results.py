@@ -145,21 +145,23 @@ def older_rules(rows: list[dict]) -> str | None:
             "differently now")
 
 
-def load(name: str, data_dir=DATA_DIR, *, accept_older_rules: bool = False) -> list[dict]:
-    """The committed rows of ``<data_dir>/<name>.csv``, checked to fit the current code.
+def load(name: str, data_dir=None, *, accept_older_rules: bool = False) -> list[dict]:
+    """The committed rows of ``<data_dir>/<name>.csv`` (default :data:`DATA_DIR`), checked to fit the
+    current code.
 
     ``accept_older_rules=True`` still refuses another schema (the columns' meaning), but returns rows
     measured under other rules; the caller must then say so (:func:`older_rules`). Meant for a set
-    that is remeasured less often than the rules change (the two-GPU set)."""
-    path = Path(data_dir) / f"{name}.csv"
+    that is remeasured less often than the rules change (the two-GPU set, a tile walk)."""
+    path = Path(DATA_DIR if data_dir is None else data_dir) / f"{name}.csv"
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing; regenerate the data on a CUDA GPU with `{REGENERATE}`")
     return check_current(read_csv(path), path.name, accept_older_rules=accept_older_rules)
 
 
-def load_traces(name: str = "layer_traces", data_dir=DATA_DIR) -> dict:
-    """The committed layer timelines (case name -> meta, records, metrics), checked to fit the code."""
-    path = Path(data_dir) / f"{name}.json"
+def load_traces(name: str = "layer_traces", data_dir=None) -> dict:
+    """The committed layer timelines (case name -> meta, records, metrics), checked to fit the code
+    (``data_dir``: default :data:`DATA_DIR`)."""
+    path = Path(DATA_DIR if data_dir is None else data_dir) / f"{name}.json"
     traces = json.loads(path.read_text())
     for case, t in traces.items():
         if "records" not in t or "meta" not in t:

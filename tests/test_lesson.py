@@ -64,7 +64,6 @@ def test_a_tile_walk_under_older_rules_is_shown_with_that_label(tmp_path, monkey
     row = dict(M=1, us_median=2.5, gpu="G", torch="t", triton="x", date="2026-01-01", **results.stamp())
     old = dict(row, config="0a0a0a0a0a0a", code="abc1234567")
     monkeypatch.setattr(results, "DATA_DIR", tmp_path)
-    monkeypatch.setattr(results.load, "__defaults__", (tmp_path,) + results.load.__defaults__[1:])
     for name in ("lora_tune", "registers"):
         results.write_csv([old], tmp_path / f"{name}.csv")
     got = lesson.data("lora_tune")
