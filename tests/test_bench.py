@@ -45,6 +45,14 @@ def test_kernels_and_align_pipeline(cpu_bench, tmp_path):
     one = [r for r in rows if r["path"] == "one_shot"][0]
     assert one["bytes"] > 0 and one["achieved_tbps"] > 0 and one["command"].startswith("python -m moelora_lab.bench")
     assert (tmp_path / "kernels_tiny.png").exists() and (tmp_path / "kernels_roofline.png").exists()
+    # every path is checked against the reference before it is timed: a wrong result stops the sweep
+    from moelora_lab.bench import kernels_sweep
+    real_reference = kernels_sweep.moe_lora_reference
+    off = lambda *a, **kw: real_reference(*a, **kw) * 1.1
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels_sweep, "moe_lora_reference", off)
+        with pytest.raises(RuntimeError, match=r"tiny w13 M=1 r=16: path 'two_kernel' .* differs from the reference"):
+            cli.main(["kernels", "--presets", "tiny", "--tokens", "1", "--ranks", "16", "--out", str(tmp_path / "x")])
     assert cli.main(["align", "--presets", "tiny", "--tokens", "3", "200", "1000", "--out", str(tmp_path)]) == 0
     methods = {(r["M"], r["method"]) for r in read_csv(tmp_path / "align.csv")}
     # the rule's construction (triton_kernels) and the others where they compete: few pairs sort (3 x 2), a

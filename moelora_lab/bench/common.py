@@ -17,6 +17,12 @@ DEVICE = "cuda"   # the benchmarks run on CUDA; tests point this at the CPU to r
 PROG = "python -m moelora_lab.bench"
 
 
+def close(got: torch.Tensor, want: torch.Tensor, tol: float = 2e-2) -> bool:
+    """``got`` equals ``want`` within ``tol`` relative to each element and to ``want``'s largest magnitude
+    (the check every sweep makes before it times a kernel); NaN never passes."""
+    return torch.allclose(got, want, rtol=tol, atol=tol * max(float(want.abs().max()), 1e-3))
+
+
 def device() -> str:
     """Where the benchmarks put their tensors (``DEVICE``, read at each call)."""
     return DEVICE

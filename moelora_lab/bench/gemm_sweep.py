@@ -23,7 +23,7 @@ from ..moe import GemmLoRA, gemm_tiles, moe_gemm
 from ..profile import timing
 from ..profile.gpu_state import GpuMonitor
 from ..results import write_csv
-from .common import (base_weights, device, grouped_mm_fns, progress, seeded_generator, sweep_parser,
+from .common import (base_weights, close, device, grouped_mm_fns, progress, seeded_generator, sweep_parser,
                      sweep_routing)
 
 NAME = "gemm"
@@ -100,7 +100,7 @@ def run(args) -> list[dict]:
                             got = fn().float().clone()
                             if want is None:
                                 want = got
-                            ok = torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+                            ok = close(got, want)
                             if not ok:
                                 error = "output differs from the default tiles"
                             else:

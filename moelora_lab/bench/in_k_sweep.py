@@ -32,7 +32,7 @@ from ..layer_in_k import W13_ONE_READ, in_k_layer, pack_w13_in_k, pack_w2_in_k, 
 from ..moe import gemm_tiles, moe_gemm
 from ..profile import timing
 from ..profile.gpu_state import GpuMonitor
-from .common import base_weights, device, progress, seeded_generator, sweep_parser, sweep_routing
+from .common import base_weights, close, device, progress, seeded_generator, sweep_parser, sweep_routing
 
 NAME = "in_k"
 ROUNDS = 3
@@ -92,7 +92,7 @@ def run(args) -> list[dict]:
             tol = 2e-2 if dtype != torch.float32 else 1e-4
             for name in ("w2_in_k", "in_k", "in_k_overlap"):
                 got = fns[name]().float()
-                if not torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max())):
+                if not close(got, want, tol):
                     raise RuntimeError(f"{preset} M={M} r={rank}: {name} differs from dual_stream "
                                        f"(largest difference {float((got - want).abs().max()):.3g})")
             with GpuMonitor() as state:

@@ -1,8 +1,9 @@
 """``python -m moelora_lab.bench kernels``: the LoRA op's paths x presets x {w13, w2} x M x rank.
 
-Each op is timed the way ``profile.timing`` describes (CUDA graph, L2 flushed, median and 20/80
-percentiles; the paths of a case in interleaved rounds, so a drift of the GPU lands on all of them)
-and written to a CSV with provenance, plus plots drawn from that CSV. Achieved
+Each path of a case is first checked against the reference (``moe_lora_reference``), then timed the
+way ``profile.timing`` describes (CUDA graph, L2 flushed, median and 20/80 percentiles; the paths of
+a case in interleaved rounds, so a drift of the GPU lands on all of them) and written to a CSV with
+provenance, plus plots drawn from that CSV. Achieved
 bandwidth is the byte model's minimum bytes for the path over the time, next to a copy ceiling
 measured in the same run. ``--tune`` times a grid of one-shot / two-kernel tiles per case instead
 of the default configs; ``--time-alignment`` also times the routing metadata.
@@ -22,8 +23,9 @@ from ..ops import moe_lora
 from ..paths import KERNEL_CHOICES, PATHS, resolve_path
 from ..profile import timing
 from ..profile.traffic import count_workload, lora_op_traffic
+from ..reference import moe_lora_reference
 from ..routing import block_list
-from .common import device, progress, seeded_generator, sweep_parser, sweep_routing
+from .common import close, device, progress, seeded_generator, sweep_parser, sweep_routing
 
 NAME = "kernels"
 ROUNDS = 3              # the paths of a case are timed in interleaved rounds (``timing.time_cuda_interleaved``)
@@ -51,6 +53,20 @@ def _variants(args):
 
 def _timing_row(t) -> dict:
     return dict(us_median=round(t.median_us, 2), us_p20=round(t.p20_us, 2), us_p80=round(t.p80_us, 2))
+
+
+def _check(runs, out, delta, case: str) -> None:
+    """Each run's output (it adds into ``out``) against ``out`` + the reference's ``delta``, from the same
+    ``out`` each time, before anything is timed: a path or tile that computes a wrong result stops the sweep."""
+    base = out.clone()
+    want = base.float() + delta
+    for path, real, cfg, fn in runs:
+        out.copy_(base)
+        got = fn().float()
+        if not close(got, want):
+            raise RuntimeError(f"{case}: path {path!r} (ran {real}, {cfg}) differs from the reference by up to "
+                               f"{float((got - want).abs().max()):.3g}")
+    out.copy_(base)
 
 
 def run(args) -> list[dict]:
@@ -88,6 +104,8 @@ def run(args) -> list[dict]:
                 runs.append((path, real, cfg, lambda real=real, cfg=cfg, blocks=blocks: moe_lora(
                     x, topk_ids, topk_w, token_lora, lora_a, lora_b, path=real, mul_routed_weight=op == "w2",
                     output=out, add_inputs=True, blocks=blocks, config=cfg)))
+            _check(runs, out, moe_lora_reference(x, topk_ids, topk_w, token_lora, lora_a, lora_b,
+                                                 mul_routed_weight=op == "w2"), f"{shape.name} {op} M={M} r={rank}")
             timed = timing.time_cuda_interleaved({i: run[3] for i, run in enumerate(runs)}, rounds=ROUNDS)
             for i, (path, real, cfg, _) in enumerate(runs):
                 t = timed[i]

@@ -15,7 +15,7 @@ from ..dispatch import choose_config, choose_path
 from ..ops import moe_lora, pack_lora_b
 from ..profile import timing
 from ..routing import block_list
-from .common import device, seeded_generator, sweep_parser, sweep_routing
+from .common import close, device, seeded_generator, sweep_parser, sweep_routing
 
 NAME = "layout"
 
@@ -52,7 +52,7 @@ def run(args) -> list[dict]:
                                               output=out, add_inputs=False, blocks=blocks)
                         got = fn().float().clone()
                         want = got if want is None else want
-                        if not torch.allclose(got, want, rtol=1e-2, atol=1e-2 * float(want.abs().max())):
+                        if not close(got, want, 1e-2):
                             raise RuntimeError(f"{op} M={M} r={rank}: the {name} layout changed the result")
                         t = timing.time_cuda(fn)
                         rows.append(dict(preset=preset, op=op, path=path, M=M, rank=rank, loras=L,

@@ -25,7 +25,7 @@ from ..profile import timing
 from ..profile.traffic import count_workload, lora_op_traffic
 from ..results import write_csv
 from ..routing import block_list
-from .common import device, progress, seeded_generator, sweep_parser, sweep_routing
+from .common import close, device, progress, seeded_generator, sweep_parser, sweep_routing
 
 NAME = "tune"
 # KernelConfig fields and the values the walk tries (n_chunks only matters to the one-shot kernel)
@@ -113,7 +113,7 @@ def run(args) -> list[dict]:
                     got = fn().float() - base.float()
                     if want is None:
                         want = got
-                    if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max())):
+                    if not close(got, want):
                         error = "output differs from the rule's tiles"
                     else:
                         t = timing.time_cuda(fn, warmup_ms=10, rep_ms=40)
