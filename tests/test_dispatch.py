@@ -52,8 +52,8 @@ def test_every_rule_tile_against_the_reference(device, path):
     assert len(cases) >= 6
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     for i, (key, (cfg, rank)) in enumerate(sorted(cases.items(), key=str)):
-        p = lora_case(12 if path == "small_batch" else 40, hidden=HIDDEN, inter=INTER, experts=4, top_k=2, loras=3, rank=rank, dtype=dtype,
-                      device=device, seed=i, no_adapter_fraction=0.25)
+        p = lora_case(12 if path == "small_batch" else 40, hidden=HIDDEN, inter=INTER, experts=4, top_k=2, loras=3,
+                      rank=rank, dtype=dtype, device=device, seed=i, no_adapter_fraction=0.25)
         cfg = cfg.replace(n_chunks=min(cfg.n_chunks, -(-INTER // cfg.block_n)))   # the rule never exceeds N's tiles
         if device == "cpu" and path == "small_batch":
             cfg = cfg.replace(programs=3)      # a persistent grid smaller than the work: each program loops

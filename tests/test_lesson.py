@@ -56,6 +56,8 @@ def test_data_committed_and_live_switch(capsys, monkeypatch):
     assert lesson.source(rows).startswith("committed data: " + rows[0]["gpu"])
     with pytest.raises(ValueError, match="needs the benchmark's arguments"):
         lesson.data("registers", live=True)
+    with pytest.raises(ValueError, match="no live traces"):
+        lesson.traces("nothing", live=True)
 
 
 def test_a_tile_walk_under_older_rules_is_shown_with_that_label(tmp_path, monkeypatch):
@@ -73,8 +75,6 @@ def test_a_tile_walk_under_older_rules_is_shown_with_that_label(tmp_path, monkey
         lesson.data("registers")
     results.write_csv([row], tmp_path / "lora_tune.csv")
     assert "older" not in lesson.source(lesson.data("lora_tune"))
-    with pytest.raises(ValueError, match="no live traces"):
-        lesson.traces("nothing", live=True)
 
 
 def test_show_code_sees_through_decorators():
