@@ -156,6 +156,33 @@ def choose_path(num_pairs: int, num_experts: int, num_loras: int, rank: int, n_o
     return "one_shot"
 
 
+# Refined for the two-stream layer, where the LoRA runs on a side stream beside the base GEMMs (H200, bf16,
+# 4 adapters, qwen3-30b-a3b and deepseek-v2-lite, both paths timed inside the layer in interleaved rounds):
+# the op alone prefers one-shot at few pairs, but beside the base GEMMs two kernels won
+# * at r 16 from 18 pairs (18 on deepseek: 1.07 of the layer without LoRA against 1.22; 24 on qwen: 1.10
+#   against 1.18; 32: 1.06 against 1.22) up to 192 (128 pairs: 1.07 against 1.09), level from 256;
+#   one-shot stayed ahead at 6-16 pairs (1.08-1.12 against 1.10-1.17);
+# * at r 64 from 12 pairs (12 on deepseek: 1.21 against 1.49; 16 on qwen: 1.24 against 1.31; 24: 1.18
+#   against 1.44); one-shot stayed ahead at 6-8 pairs (1.13-1.15 against 1.24-1.28).
+# A one-shot program at these sizes recomputes its shrink in every N chunk and the chunks are many (they
+# fill the SMs when the op runs alone); beside the base GEMMs those programs queue for the same SMs.
+SIDE_TWO_KERNEL_MIN_PAIRS = 17      # below r 64 (measured at r 16)
+SIDE_TWO_KERNEL_MAX_PAIRS = 192
+SIDE_WIDE_RANK_MIN_PAIRS = 12       # r 64 .. 127 (measured at r 64; from r 128 choose_path takes two kernels)
+
+
+def choose_side_path(num_pairs: int, num_experts: int, num_loras: int, rank: int, n_out: int | None = None) -> str:
+    """The ``auto`` rule for the LoRA on the side stream of the two-stream layer: :func:`choose_path`,
+    except two kernels from ``SIDE_TWO_KERNEL_MIN_PAIRS`` to ``SIDE_TWO_KERNEL_MAX_PAIRS`` pairs below
+    r 64 and from ``SIDE_WIDE_RANK_MIN_PAIRS`` pairs at r 64 (see the measurements above)."""
+    if rank >= TWO_KERNEL_MIN_RANK:
+        if SIDE_WIDE_RANK_MIN_PAIRS <= num_pairs < TWO_KERNEL_MIN_PAIRS:
+            return "two_kernel"
+    elif rank > 0 and SIDE_TWO_KERNEL_MIN_PAIRS <= num_pairs <= SIDE_TWO_KERNEL_MAX_PAIRS:
+        return "two_kernel"
+    return choose_path(num_pairs, num_experts, num_loras, rank, n_out)
+
+
 def choice_rank(rank: int, lora_ranks: torch.Tensor | None) -> int:
     """The rank ``auto`` picks a path by: the largest real rank of ``lora_ranks`` ([L] per-slot ranks,
     at most ``rank``) when it can be read without a device synchronisation (a CPU tensor); otherwise

@@ -85,7 +85,8 @@ def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=No
     join : str
         'fold' or 'vllm' (the schedules with separate LoRA kernels only).
     lora_path : str
-        'auto' or a Triton path of ``moelora_lab.PATHS`` for the separate LoRA kernels.
+        'auto' or a Triton path of ``moelora_lab.PATHS`` for the separate LoRA kernels ('auto' on two
+        streams follows the side stream's rule, ``dispatch.choose_side_path``).
     plan : LayerPlan, optional
         From :func:`plan_layer` for these very routing tensors: skips building the routing metadata
         (and, when the plan checked them, the id-range checks).

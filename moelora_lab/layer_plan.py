@@ -93,7 +93,9 @@ def plan_layer(topk_ids, token_lora, num_experts: int, num_loras: int | None, ra
     device synchronisation, that it gets the tensors the plan was made from, unchanged.
     ``validate=False`` skips the id-range checks (one synchronisation) for routing already checked;
     the layer then checks the ids itself unless it is told ``validate=False`` too. A plan for
-    ``schedule="fused"`` has no LoRA blocks: the base GEMMs carry the LoRA. ``lora_ranks`` ([L] per-slot
+    ``schedule="fused"`` has no LoRA blocks: the base GEMMs carry the LoRA; a plan for two streams
+    (``"dual_stream"``, or ``"auto"`` on a GPU) picks the LoRA path by the side stream's rule
+    (``dispatch.choose_side_path``), any other by the op's. ``lora_ranks`` ([L] per-slot
     ranks, on the CPU) lets ``lora_path="auto"`` pick by the largest real rank instead of r.
     """
     E = check_int("num_experts", num_experts, low=1)
@@ -121,9 +123,10 @@ def plan_layer(topk_ids, token_lora, num_experts: int, num_loras: int | None, ra
             [base] = make_block_lists(topk_ids, None, E, [base_list], values_checked=validate)
             in_gemm = num_loras is not None and rank != 0
             return LayerPlan(base, None, "in_gemm" if in_gemm else None, **plan)
+        side = schedule == "dual_stream" or (schedule == "auto" and topk_ids.is_cuda and not INTERPRET)
         path = "two_kernel" if in_gemm else resolve_path(     # epilogue: the two-kernel path's shrink
             lora_path, num_pairs=P, num_experts=E, num_loras=num_loras, rank=rank, add_inputs=False,
-            token_rows=True, choice_rank=choice_rank(rank, lora_ranks), n_out=intermediate)
+            token_rows=True, choice_rank=choice_rank(rank, lora_ranks), n_out=intermediate, side_stream=side)
         cfg = choose_config(path, P, min(P, num_loras * E), intermediate or 1, 2, topk_ids.device, rank=rank)
         # both block lists from one construction (the same launches on a GPU)
         base, lora = make_block_lists(topk_ids, token_lora, E, [base_list, (num_loras, cfg.block_m)],

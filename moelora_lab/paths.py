@@ -17,7 +17,7 @@ import torch
 import triton
 
 from .blocks import BlockList
-from .dispatch import KernelConfig, choose_config, choose_path, num_sms
+from .dispatch import KernelConfig, choose_config, choose_path, choose_side_path, num_sms
 from .kernels.one_shot import one_shot_kernel
 from .kernels.small_batch import small_batch_kernel
 from .kernels.two_kernel import expand_kernel, shrink_kernel
@@ -255,14 +255,17 @@ def paths_markdown() -> str:
 
 
 def resolve_path(path: str, *, num_pairs: int, num_experts: int, num_loras: int, rank: int, add_inputs: bool,
-                 token_rows: bool, choice_rank: int | None = None, n_out: int | None = None) -> str:
-    """The path a call runs: ``auto`` follows the measured rule (``dispatch.choose_path``, at
+                 token_rows: bool, choice_rank: int | None = None, n_out: int | None = None,
+                 side_stream: bool = False) -> str:
+    """The path a call runs: ``auto`` follows the measured rule (``dispatch.choose_path``, or
+    ``dispatch.choose_side_path`` for the LoRA on the two-stream layer's side stream (``side_stream``), at
     ``choice_rank``: the slots' real rank when known, else ``rank``; ``n_out``: the output columns per
     slice, N) among the paths that support the call at the weights' ``rank``; an explicit path must
     support it (a ValueError says why not)."""
     get_path(path)
     if path == "auto":
-        preferred = choose_path(num_pairs, num_experts, num_loras, rank if choice_rank is None else choice_rank,
+        rule = choose_side_path if side_stream else choose_path
+        preferred = rule(num_pairs, num_experts, num_loras, rank if choice_rank is None else choice_rank,
                                 n_out)
         order = [preferred] + [n for n in TRITON_PATHS if n != preferred]
         for name in order:

@@ -43,12 +43,12 @@ class StaleDataError(RuntimeError):
 
 def _rule_table() -> list:
     """What every tile and dispatch rule returns over a fixed grid of shapes (the input of the hash)."""
-    from .dispatch import CONFIGS, choose_path, gpu_config
+    from .dispatch import CONFIGS, choose_path, choose_side_path, gpu_config
     from .layer_plan import gpu_schedule
     from .moe import MAX_FUSED_COLUMNS, gpu_gemm_tiles
     from .streams import SIDE_PRIORITIES
 
-    pairs = [1, 2, 8, 16, 32, 64, 128, 512, 1024, 4096, 8192, 65536]
+    pairs = [1, 2, 8, 12, 16, 17, 24, 32, 64, 128, 192, 256, 512, 1024, 4096, 8192, 65536]
     ranks = [None, 8, 16, 32, 64, 128, 192, 256, 512]
     table: list = [sorted((name, repr(cfg)) for name, cfg in CONFIGS.items()),
                    MAX_FUSED_COLUMNS, SIDE_PRIORITIES[0]]
@@ -56,6 +56,7 @@ def _rule_table() -> list:
     for p in pairs:
         for groups in (1, 8, 64, 512):
             table.append([choose_path(p, groups, 4, r or 16, n_out) for r in ranks for n_out in (None, 768, 2048)])
+            table.append([choose_side_path(p, groups, 4, r or 16, n_out) for r in ranks for n_out in (None, 768, 2048)])
             for path in ("one_shot", "two_kernel", "small_batch"):
                 for n_out, slices in ((768, 2), (2048, 1), (1408, 2)):
                     table.append([repr(gpu_config(path, p, groups, n_out, slices, _FINGERPRINT_SMS, rank=r))

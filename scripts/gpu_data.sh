@@ -3,7 +3,7 @@
 # repository root:
 #   bash scripts/gpu_data.sh                 # every step, written to moelora_lab/data/h200
 #   OUT=/tmp/run bash scripts/gpu_data.sh kernels layer   # some steps, elsewhere
-# Steps: registers align kernels layout eager layer priority profiler in_k gemm tma tune tests (default: all).
+# Steps: registers align kernels layout eager layer priority side_path profiler in_k gemm tma tune tests (default: all).
 # Each row records its provenance and the code's stamp (schema, tile-rule fingerprint, commit; see
 # moelora_lab/results.py); the notebooks refuse files whose stamp does not match the code.
 # Without a git checkout, set MOELORA_CODE_VERSION to the commit the tree came from.
@@ -23,7 +23,7 @@ bench() { echo "== $(date +%T) bench $*"; $PY -m moelora_lab.bench "$@" --out "$
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 echo "code $MOELORA_CODE_VERSION"
-steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(registers align kernels layout eager layer priority profiler in_k gemm tma tune tests)
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(registers align kernels layout eager layer priority side_path profiler in_k gemm tma tune tests)
 for step in "${steps[@]}"; do
   case "$step" in
     registers) bench registers ;;
@@ -34,6 +34,8 @@ for step in "${steps[@]}"; do
     layer)     bench layer --max-seconds 240 ;;
     priority)  bench layer --ranks 16 64 --tokens 1 16 64 128 512 2048 --variants no_lora sequential dual_stream \
                  --trace-tokens 0 --side-priority default --name layer_priority ;;
+    side_path) bench layer --presets qwen3-30b-a3b deepseek-v2-lite --ranks 16 64 --tokens 1 2 3 4 8 16 24 32 64 \
+                 --variants no_lora dual_stream dual_stream_side --trace-tokens 0 --name layer_side_path ;;
     profiler)  bench profiler ;;
     in_k)      bench in_k ;;
     gemm)      bench gemm --max-seconds 180 ;;
@@ -45,7 +47,7 @@ for step in "${steps[@]}"; do
         echo "# python -m pytest tests --gpu -q -p no:cacheprovider -n ${TEST_WORKERS:-8}"
         $PY -m pytest tests --gpu -q -p no:cacheprovider -n "${TEST_WORKERS:-8}" 2>&1; } > "$OUT/gpu_tests.log"
       tail -n 3 "$OUT/gpu_tests.log" ;;
-    *) echo "unknown step $step (steps: registers align kernels layout eager layer priority profiler in_k gemm tma tune tests)"; exit 2 ;;
+    *) echo "unknown step $step (steps: registers align kernels layout eager layer priority side_path profiler in_k gemm tma tune tests)"; exit 2 ;;
   esac
 done
 echo "== $(date +%T) done"

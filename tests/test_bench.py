@@ -63,6 +63,19 @@ def test_kernels_and_align_pipeline(cpu_bench, tmp_path):
                                                    "triton_unchained"}
 
 
+def test_layer_side_path_variant(cpu_bench, tmp_path):
+    """``dual_stream_side`` runs two streams from a plan made for them: at 24 pairs and r 8 the side
+    stream's rule takes two kernels where the shared one-stream plan runs one-shot."""
+    with pytest.warns(RuntimeWarning, match="on the CPU the layer runs sequentially"):
+        assert cli.main(["layer", "--presets", "tiny", "--tokens", "12", "--ranks", "8", "--dtype", "float32",
+                         "--variants", "no_lora", "dual_stream", "dual_stream_side", "--trace-tokens", "0",
+                         "--name", "side", "--out", str(tmp_path)]) == 0
+    rows = {r["variant"]: r for r in read_csv(tmp_path / "side.csv")}
+    assert set(rows) == {"no_lora", "dual_stream", "dual_stream_side"}
+    assert rows["dual_stream"]["lora_path"] == "one_shot" and rows["dual_stream_side"]["lora_path"] == "two_kernel"
+    assert rows["dual_stream_side"]["schedule"] == "sequential"                        # CPU: one stream
+
+
 def test_layer_pipeline(cpu_bench, tmp_path):
     with pytest.warns(RuntimeWarning, match="on the CPU the layer runs sequentially"):   # the dual_stream rows
         assert cli.main(["layer", "--presets", "tiny", "--tokens", "3", "--ranks", "8", "--dtype", "float32",
@@ -186,7 +199,7 @@ def test_every_subcommand_parses_its_defaults():
         args = cli.parse_args([what])
         assert args.what == module.NAME == what and args.command == f"python -m moelora_lab.bench {what}"
         assert args.out == common.DEFAULT_OUT and callable(module.run)
-    assert cli.parse_args(["layer"]).variants == list(layer_sweep.VARIANTS)
+    assert cli.parse_args(["layer"]).variants == [v for v in layer_sweep.VARIANTS if v != "dual_stream_side"]
     assert cli.parse_args(["layer", "--variants", "plan", "no_lora"]).variants == ["plan", "no_lora"]
     with pytest.raises(SystemExit):
         cli.parse_args(["layer", "--variants", "no_such_variant"])

@@ -149,9 +149,29 @@ def test_plan_picks_the_lora_path_by_the_real_ranks(device):
     E = SHAPE.num_experts
     assert plan_layer(p.topk_ids, p.token_lora, E, 3, 128).lora_path == "two_kernel"        # by r = 128
     ranks = torch.tensor([8, 4, 16])                                                         # on the CPU: read
-    assert plan_layer(p.topk_ids, p.token_lora, E, 3, 128, lora_ranks=ranks).lora_path == "one_shot"
+    plan = plan_layer(p.topk_ids, p.token_lora, E, 3, 128, lora_ranks=ranks, schedule="sequential")
+    assert plan.lora_path == "one_shot"                                                      # by r = 16, 18 pairs
     with pytest.raises(ValueError, match="lora_ranks: expected shape \\(3,\\)"):
         plan_layer(p.topk_ids, p.token_lora, E, 3, 128, lora_ranks=ranks[:2])
+
+
+def test_a_plan_for_two_streams_picks_the_path_by_the_side_stream_rule(device):
+    """18 pairs at r 8: one-shot on one stream (``choose_path``), two kernels beside the base GEMMs
+    (``choose_side_path``); ``auto`` plans for two streams where it runs them (on a GPU)."""
+    from moelora_lab.dispatch import choose_path, choose_side_path
+
+    p = problem(device, seed=5)
+    E, I, P = SHAPE.num_experts, SHAPE.intermediate, p.topk_ids.numel()
+    assert choose_path(P, E, 3, 8, I) == "one_shot" and choose_side_path(P, E, 3, 8, I) == "two_kernel"
+    paths = {s: plan_layer(p.topk_ids, p.token_lora, E, 3, 8, intermediate=I, schedule=s).lora_path
+             for s in ("sequential", "dual_stream", "auto")}
+    two = device == "cuda" and not ml.INTERPRET
+    assert paths == {"sequential": "one_shot", "dual_stream": "two_kernel", "auto": "two_kernel" if two else "one_shot"}
+    ref = ml.moe_layer_reference(**p.layer_inputs())
+    for s in ("sequential", "dual_stream"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)          # CPU: two streams run as one
+            close(moe_lora_layer(**p.layer_inputs(), schedule=s), ref, torch.float32)
 
 
 def test_plan_is_reused_and_validated(device):

@@ -3,7 +3,10 @@
 Variants per (preset, M, rank), each timed as a CUDA-graph replay with L2 flushed (median, p20, p80), all
 variants of a case in ``ROUNDS`` interleaved rounds with their replays pooled (``timing.time_cuda_interleaved``):
   no_lora                 the base layer alone (grouped GEMMs, activation, top-k sum)
-  sequential / dual_stream                 LoRA with our folded join, one stream or two
+  sequential / dual_stream                 LoRA with our folded join, one stream or two, from one plan made
+                          for one stream (the op's path rule: the same kernels on both schedules)
+  dual_stream_side        two streams from a plan made for them, as ``moe_lora_layer(schedule="dual_stream")``
+                          makes it (the side stream's path rule, ``dispatch.choose_side_path``)
   fused                   LoRA computed inside the base grouped GEMMs (when L*r fits)
   in_k                    both LoRA ops in their GEMMs' K (``layer_in_k``), from the weights packed once
   auto                    what ``moe_lora_layer`` picks by default given that pack (``in_k=``; its plan built
@@ -43,12 +46,14 @@ from ..profile.traffic import count_workload, layer_traffic
 from .common import base_weights, device, grouped_mm_fns, progress, seeded_generator, sweep_parser, sweep_routing
 
 NAME = "layer"
-VARIANTS = ("no_lora", "sequential", "dual_stream", "fused", "epilogue", "in_k", "auto", "sequential_vllm_join",
-            "dual_stream_vllm_join", "base_gemms", "grouped_mm", "plan", "no_lora_plan", "auto_plan")
+VARIANTS = ("no_lora", "sequential", "dual_stream", "dual_stream_side", "fused", "epilogue", "in_k", "auto",
+            "sequential_vllm_join", "dual_stream_vllm_join", "base_gemms", "grouped_mm", "plan", "no_lora_plan", "auto_plan")
+DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v != "dual_stream_side")   # that one: the side-path sweep only
 ROUNDS = 3              # interleaved timing rounds per case: a drift of the GPU during a case hits every variant
 NO_LORA = ("no_lora", "base_gemms", "grouped_mm", "plan", "no_lora_plan")
 # the schedule each LoRA-layer variant asks for (``schedule`` records what it really ran)
-SCHEDULE_OF = {"sequential": "sequential", "dual_stream": "dual_stream", "fused": "fused", "epilogue": "epilogue",
+SCHEDULE_OF = {"sequential": "sequential", "dual_stream": "dual_stream", "dual_stream_side": "dual_stream",
+               "fused": "fused", "epilogue": "epilogue",
                "in_k": "in_k", "auto": "auto",
                "sequential_vllm_join": "sequential", "dual_stream_vllm_join": "dual_stream", "auto_plan": "auto"}
 
@@ -56,8 +61,8 @@ SCHEDULE_OF = {"sequential": "sequential", "dual_stream": "dual_stream", "fused"
 def add_parser(sub):
     y = sweep_parser(sub, NAME, "the MoE layer: no LoRA, sequential, dual stream, join variants; timelines",
                      name="layer", tokens=(1, 16, 64, 128, 512, 2048, 8192), ranks=(16, 64), max_seconds=True)
-    y.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), metavar="VARIANT",
-                   help=f"a subset of {', '.join(VARIANTS)} (default: all)")
+    y.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(DEFAULT_VARIANTS), metavar="VARIANT",
+                   help=f"a subset of {', '.join(VARIANTS)} (default: all but dual_stream_side)")
     y.add_argument("--trace-tokens", nargs="+", type=int, default=[1, 16, 128, 512, 2048, 8192])
     y.add_argument("--trace-ranks", nargs="+", type=int, default=[16, 64])
     y.add_argument("--side-priority", choices=SIDE_PRIORITIES, default=SIDE_PRIORITIES[0])
@@ -89,6 +94,7 @@ def run_layer(args) -> tuple[list[dict], dict]:
         plan_l = plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I, schedule="sequential")
         plan_f = plan_layer(ids, tl, E, L, rank, schedule="fused") if fused_fits(L, rank) else None
         plan_e = plan_layer(ids, tl, E, L, rank, schedule="epilogue") if fused_fits(L, rank) else None
+        plan_s = plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I, schedule="dual_stream")
         plan_a = plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I)      # as moe_lora_layer builds it
         plan_b = plan_layer(ids, tl, E, None, None)
         base = (x, ids, tw, tl, w13, w2)
@@ -103,6 +109,7 @@ def run_layer(args) -> tuple[list[dict], dict]:
             "no_lora": lambda: moe_lora_layer(*base, plan=plan_b),
             "sequential": lambda: moe_lora_layer(*base, **lora, schedule="sequential", plan=plan_l),
             "dual_stream": lambda: moe_lora_layer(*base, **lora, schedule="dual_stream", plan=plan_l),
+            "dual_stream_side": lambda: moe_lora_layer(*base, **lora, schedule="dual_stream", plan=plan_s),
             "fused": lambda: moe_lora_layer(*base, **lora, schedule="fused", plan=plan_f),
             "epilogue": lambda: moe_lora_layer(*base, **lora, schedule="epilogue", plan=plan_e),
             "in_k": lambda: moe_lora_layer(*packed, **lora, schedule="in_k", in_k=pack, plan=plan_l),
@@ -120,6 +127,7 @@ def run_layer(args) -> tuple[list[dict], dict]:
             "plan": lambda: plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I, schedule="sequential",
                                        validate=False),
         }
+        plan_of = {"fused": plan_f, "epilogue": plan_e, "auto": plan_a, "auto_plan": plan_a, "dual_stream_side": plan_s}
         work = count_workload(ids, tl, E, L)
         floors = {True: layer_traffic(shape, rank, work, lora_path=plan_l.lora_path)["floor"],
                   False: layer_traffic(shape, rank, work, with_lora=False)["floor"]}
@@ -142,8 +150,7 @@ def run_layer(args) -> tuple[list[dict], dict]:
                     ran = resolve_schedule(asks, torch.device(device()), num_pairs=M * k, num_experts=E,
                                            fits=plan_f is not None,
                                            in_k_columns=L * rank if name in ("in_k", "auto", "auto_plan") else None)
-            path = "in_k" if ran == "in_k" else {"fused": "in_gemm", "epilogue": "epilogue",
-                                                  "auto": plan_a.lora_path}.get(asks, plan_l.lora_path)
+            path = "in_k" if ran == "in_k" else (plan_of.get(name) or plan_l).lora_path
             rows.append(dict(preset=preset, M=M, rank=rank, loras=L, variant=name, schedule=ran, lora_path=path,
                              side_priority=args.side_priority if ran == "dual_stream" else "",
                              us_median=med, us_p20=p20, us_p80=p80, floor_bytes=floor.bytes,

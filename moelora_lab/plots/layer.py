@@ -10,6 +10,8 @@ VARIANT_STYLE = {
     "no_lora": dict(color="black", marker="o", label="no LoRA"),
     "sequential": dict(color="#1f77b4", marker="s", label="LoRA, one stream"),
     "dual_stream": dict(color="#2ca02c", marker="^", label="LoRA, two streams (folded join)"),
+    "dual_stream_side": dict(color="#17becf", marker="^", linestyle=":",
+                             label="two streams, the LoRA path by the side stream's rule"),
     "fused": dict(color="#ff7f0e", marker="D", label="LoRA inside the base GEMMs"),
     "epilogue": dict(color="#8c564b", marker="v", label="shrink once, expand in the GEMM epilogue"),
     "sequential_vllm_join": dict(color="#9467bd", marker="s", linestyle="--", label="one stream, vLLM join"),
