@@ -37,6 +37,11 @@ def _fused(schedule: str, fits: bool) -> bool:
     return schedule in IN_GEMM
 
 
+def _streams_run(device: torch.device) -> bool:
+    """Whether CUDA streams run here (a GPU, not the interpreter): where two streams are real."""
+    return device.type == "cuda" and not INTERPRET
+
+
 def resolve_schedule(schedule: str, device: torch.device, *, num_pairs: int = 0, num_experts: int = 1,
                      fits: bool = False, in_k_columns: int | None = None) -> str:
     """The schedule a call really runs (``fits``: :func:`fused_fits` for the layer's LoRA;
@@ -47,7 +52,7 @@ def resolve_schedule(schedule: str, device: torch.device, *, num_pairs: int = 0,
     if schedule == "in_k" and in_k_columns is None:
         raise ValueError("schedule='in_k' needs the layer packed for it: pass in_k=pack_in_k(w13, w2, w13_lora_b, "
                          "w2_lora_b) and its views w13=in_k.w13, w2=in_k.w2")
-    gpu = device.type == "cuda" and not INTERPRET
+    gpu = _streams_run(device)
     if schedule == "auto":
         return gpu_schedule(num_pairs, num_experts, in_k_columns=in_k_columns) if gpu else "sequential"
     if schedule == "dual_stream" and not gpu:
@@ -123,7 +128,7 @@ def plan_layer(topk_ids, token_lora, num_experts: int, num_loras: int | None, ra
             [base] = make_block_lists(topk_ids, None, E, [base_list], values_checked=validate)
             in_gemm = num_loras is not None and rank != 0
             return LayerPlan(base, None, "in_gemm" if in_gemm else None, **plan)
-        side = schedule == "dual_stream" or (schedule == "auto" and topk_ids.is_cuda and not INTERPRET)
+        side = schedule == "dual_stream" or (schedule == "auto" and _streams_run(topk_ids.device))
         path = "two_kernel" if in_gemm else resolve_path(     # epilogue: the two-kernel path's shrink
             lora_path, num_pairs=P, num_experts=E, num_loras=num_loras, rank=rank, add_inputs=False,
             token_rows=True, choice_rank=choice_rank(rank, lora_ranks), n_out=intermediate, side_stream=side)

@@ -265,8 +265,7 @@ def resolve_path(path: str, *, num_pairs: int, num_experts: int, num_loras: int,
     get_path(path)
     if path == "auto":
         rule = choose_side_path if side_stream else choose_path
-        preferred = rule(num_pairs, num_experts, num_loras, rank if choice_rank is None else choice_rank,
-                                n_out)
+        preferred = rule(num_pairs, num_experts, num_loras, rank if choice_rank is None else choice_rank, n_out)
         order = [preferred] + [n for n in TRITON_PATHS if n != preferred]
         for name in order:
             if PATHS[name].unsupported(rank, add_inputs, token_rows) is None:

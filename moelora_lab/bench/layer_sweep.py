@@ -47,7 +47,8 @@ from .common import base_weights, device, grouped_mm_fns, progress, seeded_gener
 
 NAME = "layer"
 VARIANTS = ("no_lora", "sequential", "dual_stream", "dual_stream_side", "fused", "epilogue", "in_k", "auto",
-            "sequential_vllm_join", "dual_stream_vllm_join", "base_gemms", "grouped_mm", "plan", "no_lora_plan", "auto_plan")
+            "sequential_vllm_join", "dual_stream_vllm_join", "base_gemms", "grouped_mm", "plan", "no_lora_plan",
+            "auto_plan")
 DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v != "dual_stream_side")   # that one: the side-path sweep only
 ROUNDS = 3              # interleaved timing rounds per case: a drift of the GPU during a case hits every variant
 NO_LORA = ("no_lora", "base_gemms", "grouped_mm", "plan", "no_lora_plan")
@@ -127,7 +128,8 @@ def run_layer(args) -> tuple[list[dict], dict]:
             "plan": lambda: plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I, schedule="sequential",
                                        validate=False),
         }
-        plan_of = {"fused": plan_f, "epilogue": plan_e, "auto": plan_a, "auto_plan": plan_a, "dual_stream_side": plan_s}
+        plan_of = {"fused": plan_f, "epilogue": plan_e, "auto": plan_a, "auto_plan": plan_a,
+                   "dual_stream_side": plan_s}             # every other variant runs plan_l's path
         work = count_workload(ids, tl, E, L)
         floors = {True: layer_traffic(shape, rank, work, lora_path=plan_l.lora_path)["floor"],
                   False: layer_traffic(shape, rank, work, with_lora=False)["floor"]}
