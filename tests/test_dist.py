@@ -154,6 +154,18 @@ def test_tp_bytes_ring_formulas():
     assert predict_us(1e6, alpha_us=10, gbps=100) == pytest.approx(20.0)
 
 
+def test_run_local_results_travel_as_bytes_and_come_back_on_the_cpu():
+    """A tensor put on the queue as itself is shared through the process that made it, which may be gone
+    when the parent reads it; the results travel as bytes instead."""
+    from moelora_lab.dist.launch import decode_result, encode_result
+    value = dict(y=torch.arange(6.0).view(2, 3), n=3, name="ep")
+    payload = encode_result(value)
+    assert isinstance(payload, bytes)
+    back = decode_result(payload)
+    assert back["n"] == 3 and back["name"] == "ep" and back["y"].device.type == "cpu"
+    assert torch.equal(back["y"], value["y"])
+
+
 def test_run_local_reports_the_failing_rank_and_rejects_local_functions():
     with pytest.raises(RuntimeError, match="rank 1:(.|\n)*ValueError: rank one fails"):
         run_local(dist_workers.fail_on_one, 2, timeout_s=120)

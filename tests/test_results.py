@@ -133,11 +133,21 @@ def test_data_readme_clock_ranges_match_the_files(name):
 
 
 def test_data_readme_quotes_the_gpu_test_log():
-    """The GPU suite's count the data README quotes is the committed log's last line."""
+    """The GPU suite's counts the data README quotes are the committed log's last line, and every test
+    that failed in the log is named there (with its reason): a failure is never left unsaid."""
     import re
     text = (results.DATA_DIR / "README.md").read_text()
-    quoted = re.search(r"`gpu_tests.log` \| the whole test suite on the GPU at (\w+)[^|]*?: (\d+) passed, none failed", text)
-    assert quoted, "data/h200/README.md: the gpu_tests.log row no longer says what the suite gave"
+    row = re.search(r"`gpu_tests.log` \| the whole test suite on the GPU at (\w+)[^|]*?: (\d+) passed, "
+                    r"(none|\d+) failed[^|]*\|", text)
+    assert row, "data/h200/README.md: the gpu_tests.log row no longer says what the suite gave"
+    code, passed, failed = row.groups()
     log = (results.DATA_DIR / "gpu_tests.log").read_text().strip().splitlines()
-    assert f"code {quoted.group(1)};" in log[0]
-    assert re.match(rf"{quoted.group(2)} passed, \d+ skipped in ", log[-1]) and "failed" not in log[-1]
+    assert f"code {code};" in log[0]
+    if failed == "none":
+        assert re.match(rf"{passed} passed, \d+ skipped in ", log[-1]) and "failed" not in log[-1]
+    else:
+        assert re.match(rf"{failed} failed, {passed} passed, \d+ skipped in ", log[-1]), log[-1]
+    names = [re.match(r"FAILED tests/[\w/]+\.py::(\S+)", line).group(1) for line in log if line.startswith("FAILED ")]
+    assert len(names) == (0 if failed == "none" else int(failed))
+    for name in names:
+        assert f"`{name}`" in row.group(0), f"data/h200/README.md: the failed GPU test {name} is not named"

@@ -4,12 +4,14 @@
 works from a notebook, under pytest and with CUDA), joins them with ``init_process_group`` over
 TCP on localhost, calls ``fn(rank, W, *args)`` in each and returns the W results in rank order.
 ``fn`` must be importable (a module-level function of an installed module) and its result
-picklable. Backend ``gloo`` runs on the CPU (the kernels under the Triton interpreter); ``nccl``
+picklable; results travel as bytes (tensors come back as CPU copies), so a process may exit before
+the parent reads what it sent. Backend ``gloo`` runs on the CPU (the kernels under the Triton interpreter); ``nccl``
 gives rank w the GPU w and leaves NVLink multicast off (``NCCL_NVLS_ENABLE=0``) unless the
 environment says otherwise.
 """
 from __future__ import annotations
 
+import io
 import os
 import queue as queue_module
 import socket
@@ -31,6 +33,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def encode_result(value) -> bytes:
+    """``value`` as bytes, tensors copied to the CPU: a tensor put on a ``torch.multiprocessing`` queue
+    as itself is shared through its process, which may have exited by the time the parent reads it."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def decode_result(payload: bytes):
+    return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=False)
+
+
 def _worker(rank, world, port, backend, threads, fn, args, results):
     try:
         if backend == "nccl":
@@ -40,7 +54,7 @@ def _worker(rank, world, port, backend, threads, fn, args, results):
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(minutes=10), **kwargs)
         try:
-            results.put((rank, True, fn(rank, world, *args)))
+            results.put((rank, True, encode_result(fn(rank, world, *args))))
         finally:
             dist.destroy_process_group()
     except BaseException:                       # report, never hang the parent
@@ -80,7 +94,7 @@ def run_local(fn, world_size: int, *args, backend: str = "gloo", timeout_s: floa
                 raise RuntimeError(f"run_local: no result within {timeout_s:.0f} s from ranks "
                                    f"{sorted(set(range(world_size)) - set(out))}") from None
             if ok:
-                out[rank] = value
+                out[rank] = decode_result(value)
             else:
                 failures.append(f"rank {rank}:\n{value}")
                 break                           # the others may wait forever on the failed rank
