@@ -3,7 +3,7 @@
 Method ("cold"): warm the op up, capture it in a CUDA graph, time graph replays with
 ``triton.testing.do_bench`` (it flushes L2 before every replay) and report the median with the
 20th/80th percentiles in microseconds. Variants meant to be compared can be timed in interleaved
-rounds (:func:`time_cuda_interleaved`), so that a slow drift of the GPU lands on all of them. The numbers include the graph launch floor (a few µs).
+rounds (:func:`time_cuda_interleaved`, alternating direction), so that a slow drift of the GPU lands on all of them. The numbers include the graph launch floor (a few µs).
 Timings need a CUDA GPU; on the CPU these functions raise instead of returning interpreter times.
 """
 from __future__ import annotations
@@ -68,13 +68,17 @@ def pooled(samples_ms) -> Timing:
 def interleave(names, rounds: int, sample) -> dict:
     """Run ``sample(name, round)`` (a list of replay times in ms) for every name in every round, the
     names in turn within a round, and pool each name's times over the rounds: a drift of the GPU's
-    clock or temperature during a sweep then lands on every name alike. A name whose sample raises is
-    tried no more; its entry is the exception. Returns {name: Timing or Exception}."""
+    clock or temperature during a sweep then lands on every name alike. The rounds alternate direction
+    (forward, backward, forward, ...): a steady drift then evens out over each pair of rounds, and no
+    name always runs right after the same one (a heavy variant that pushes the GPU into its power cap
+    would otherwise slow the next one in every round). A name whose sample raises is tried no more;
+    its entry is the exception. Returns {name: Timing or Exception}."""
     if rounds < 1:
         raise ValueError(f"rounds: need at least 1, got {rounds}")
+    names = list(names)
     samples, failed = {n: [] for n in names}, {}
     for rnd in range(rounds):
-        for n in names:
+        for n in (names if rnd % 2 == 0 else names[::-1]):
             if n not in failed:
                 try:
                     samples[n].extend(sample(n, rnd))
