@@ -180,9 +180,10 @@ def test_committed_h200_sweep_has_provenance_and_every_path():
 def test_gemm_tile_rule_against_the_committed_sweep():
     """The tile rule in moe.gemm_tiles was read off gemm_tune.csv: its tiles ran in the sweep, come
     within 5% of the grid's best for every GEMM but one, and never lose more than 1% to the rule in
-    force when the sweep ran. The one: w2 with the in-GEMM LoRA (the ``fused`` and ``epilogue`` schedules, which ``auto``
-    never runs) at M = 16, where BLOCK_K 64 beat the rule's 128 by 7.8% and 8.3% in two sweeps; it is
-    held to 9% here until the rule moves with the next regeneration of the data."""
+    force when the sweep ran. The one: w2 with the in-GEMM LoRA (the ``fused`` and ``epilogue``
+    schedules, which ``auto`` never runs) at M = 16, where BLOCK_K 64 beat the rule's 128 by 7.8% and
+    8.3% in two sweeps; it is held to 9% here until the rule moves with the next regeneration of the
+    data."""
     from moelora_lab.results import DATA_DIR as DEFAULT_OUT, read_csv
     from moelora_lab.plots.bench import gemm_tile_table
 

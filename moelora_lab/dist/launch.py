@@ -5,9 +5,9 @@ works from a notebook, under pytest and with CUDA), joins them with ``init_proce
 TCP on localhost, calls ``fn(rank, W, *args)`` in each and returns the W results in rank order.
 ``fn`` must be importable (a module-level function of an installed module) and its result
 picklable; results travel as bytes (tensors come back as CPU copies), so a process may exit before
-the parent reads what it sent. Backend ``gloo`` runs on the CPU (the kernels under the Triton interpreter); ``nccl``
-gives rank w the GPU w and leaves NVLink multicast off (``NCCL_NVLS_ENABLE=0``) unless the
-environment says otherwise.
+the parent reads what it sent. Backend ``gloo`` runs on the CPU (the kernels under the Triton
+interpreter); ``nccl`` gives rank w the GPU w and leaves NVLink multicast off
+(``NCCL_NVLS_ENABLE=0``) unless the environment says otherwise.
 """
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ def encode_result(value) -> bytes:
 
 
 def decode_result(payload: bytes):
+    """What :func:`encode_result` encoded, tensors on the CPU."""
     return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=False)
 
 

@@ -3,7 +3,8 @@
 Method ("cold"): warm the op up, capture it in a CUDA graph, time graph replays with
 ``triton.testing.do_bench`` (it flushes L2 before every replay) and report the median with the
 20th/80th percentiles in microseconds. Variants meant to be compared can be timed in interleaved
-rounds (:func:`time_cuda_interleaved`, alternating direction), so that a slow drift of the GPU lands on all of them. The numbers include the graph launch floor (a few µs).
+rounds (:func:`time_cuda_interleaved`, alternating direction), so that a slow drift of the GPU lands
+on all of them. The numbers include the graph launch floor (a few µs).
 Timings need a CUDA GPU; on the CPU these functions raise instead of returning interpreter times.
 """
 from __future__ import annotations
