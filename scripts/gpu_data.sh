@@ -3,7 +3,8 @@
 # repository root:
 #   bash scripts/gpu_data.sh                 # every step, written to moelora_lab/data/h200
 #   OUT=/tmp/run bash scripts/gpu_data.sh kernels layer   # some steps, elsewhere
-# Steps: registers align kernels layout eager layer priority side_path profiler in_k gemm tma tune tests (default: all).
+# Steps: registers align kernels layout eager layer priority side_path profiler in_k gemm tma tune dram tests
+# (default: all; dram needs Nsight Compute's ncu and a GPU whose counters it may read).
 # Each row records its provenance and the code's stamp (schema, tile-rule fingerprint, commit; see
 # moelora_lab/results.py); the notebooks refuse files whose stamp does not match the code.
 # Without a git checkout, set MOELORA_CODE_VERSION to the commit the tree came from.
@@ -23,7 +24,7 @@ bench() { echo "== $(date +%T) bench $*"; $PY -m moelora_lab.bench "$@" --out "$
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 echo "code $MOELORA_CODE_VERSION"
-steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(registers align kernels layout eager layer priority side_path profiler in_k gemm tma tune tests)
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(registers align kernels layout eager layer priority side_path profiler in_k gemm tma tune dram tests)
 for step in "${steps[@]}"; do
   case "$step" in
     registers) bench registers ;;
@@ -41,13 +42,14 @@ for step in "${steps[@]}"; do
     gemm)      bench gemm --max-seconds 180 ;;
     tma)       bench gemm --rule-only --w-tma --lora-rank 0 --presets qwen3-30b-a3b deepseek-v2-lite --name gemm_tma ;;
     tune)      bench tune --max-seconds 200 ;;
+    dram)      bench dram ;;
     tests)
       echo "== $(date +%T) tests"
       { echo "# $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1); code $MOELORA_CODE_VERSION; $(date -I)"
         echo "# python -m pytest tests --gpu -q -p no:cacheprovider -n ${TEST_WORKERS:-8}"
         $PY -m pytest tests --gpu -q -p no:cacheprovider -n "${TEST_WORKERS:-8}" 2>&1; } > "$OUT/gpu_tests.log"
       tail -n 3 "$OUT/gpu_tests.log" ;;
-    *) echo "unknown step $step (steps: registers align kernels layout eager layer priority side_path profiler in_k gemm tma tune tests)"; exit 2 ;;
+    *) echo "unknown step $step (steps: registers align kernels layout eager layer priority side_path profiler in_k gemm tma tune dram tests)"; exit 2 ;;
   esac
 done
 echo "== $(date +%T) done"

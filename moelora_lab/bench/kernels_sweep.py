@@ -86,26 +86,8 @@ def run(args) -> list[dict]:
         k_in, n_out, S = lora_a[0].shape[3], lora_b[0].shape[2], len(lora_a)
         for M in args.tokens:
             bar.update()
-            topk_ids, topk_w, token_lora = sweep_routing(shape, L, M, args.seed)
-            rows_in = M if op == "w13" else M * k
-            x = torch.randn(rows_in, k_in, device=device(), generator=gen, dtype=dtype)
-            out = torch.randn(M, k, S * n_out, device=device(), generator=gen, dtype=dtype)
-            work = count_workload(topk_ids, token_lora, E, L)
-            groups = min(M * k, work.touched_adapter_experts or 1)
-            case = dict(preset=shape.name, op=op)
-            runs = []                                   # (path, the op it runs, its config, the call)
-            for path, override in _variants(args):
-                if path == "small_batch" and M > args.small_batch_max_tokens:
-                    continue
-                real = resolve_path(path, num_pairs=M * k, num_experts=E, num_loras=L, rank=rank, add_inputs=True,
-                                    token_rows=op == "w13", n_out=n_out)
-                cfg = choose_config(real, M * k, groups, n_out, S, x.device, rank=rank).replace(**override)
-                blocks = None if not PATHS[real].uses_blocks else block_list(topk_ids, token_lora, E, L, cfg.block_m)
-                runs.append((path, real, cfg, lambda real=real, cfg=cfg, blocks=blocks: moe_lora(
-                    x, topk_ids, topk_w, token_lora, lora_a, lora_b, path=real, mul_routed_weight=op == "w2",
-                    output=out, add_inputs=True, blocks=blocks, config=cfg)))
-            _check(runs, out, moe_lora_reference(x, topk_ids, topk_w, token_lora, lora_a, lora_b,
-                                                 mul_routed_weight=op == "w2"), f"{shape.name} {op} M={M} r={rank}")
+            runs, work, inputs = build_case(shape, op, rank, M, lora_a, lora_b, args, gen, dtype)
+            case, x = dict(preset=shape.name, op=op), inputs["x"]
             timed = timing.time_cuda_interleaved({i: run[3] for i, run in enumerate(runs)}, rounds=ROUNDS)
             for i, (path, real, cfg, _) in enumerate(runs):
                 t = timed[i]
@@ -120,8 +102,8 @@ def run(args) -> list[dict]:
                     bytes=traffic.bytes, flops=traffic.flops, floor_us=round(traffic.floor_us(copy_bps), 2),
                     achieved_tbps=round(traffic.bytes / (t.median_us * 1e-6) / 1e12, 4), **ceilings, **prov))
             if args.time_alignment:
-                cfg = choose_config("one_shot", M * k, groups, n_out, S, x.device)
-                t = timing.time_cuda(lambda: make_blocks(topk_ids, token_lora, E, L, cfg.block_m))
+                cfg = choose_config("one_shot", M * k, inputs["groups"], n_out, S, x.device)
+                t = timing.time_cuda(lambda: make_blocks(inputs["topk_ids"], inputs["token_lora"], E, L, cfg.block_m))
                 rows.append(dict(**case, path="align", ran="align", M=M, rank=rank, loras=L, dtype=args.dtype,
                                  block_m=cfg.block_m, block_n=0, n_chunks=1, **_timing_row(t), bytes=0, flops=0,
                                  floor_us=0, achieved_tbps=0, **ceilings, **prov))
@@ -129,6 +111,34 @@ def run(args) -> list[dict]:
         torch.cuda.empty_cache()
     bar.close()
     return rows
+
+
+def build_case(shape, op: str, rank: int, M: int, lora_a, lora_b, args, gen, dtype):
+    """One case of the sweep, checked: [(path, the op it runs, its config, the call)], the workload, and the
+    inputs (x, topk_ids, token_lora, and the (adapter, expert) groups the pairs touch). Every run adds into the same ``out`` and has been checked against the reference
+    (``_check``), so a path or tile that computes a wrong result stops the sweep before it is measured."""
+    L, E, k = args.loras, shape.num_experts, shape.top_k
+    k_in, n_out, S = lora_a[0].shape[3], lora_b[0].shape[2], len(lora_a)
+    topk_ids, topk_w, token_lora = sweep_routing(shape, L, M, args.seed)
+    rows_in = M if op == "w13" else M * k
+    x = torch.randn(rows_in, k_in, device=device(), generator=gen, dtype=dtype)
+    out = torch.randn(M, k, S * n_out, device=device(), generator=gen, dtype=dtype)
+    work = count_workload(topk_ids, token_lora, E, L)
+    groups = min(M * k, work.touched_adapter_experts or 1)
+    runs = []
+    for path, override in _variants(args):
+        if path == "small_batch" and M > args.small_batch_max_tokens:
+            continue
+        real = resolve_path(path, num_pairs=M * k, num_experts=E, num_loras=L, rank=rank, add_inputs=True,
+                            token_rows=op == "w13", n_out=n_out)
+        cfg = choose_config(real, M * k, groups, n_out, S, x.device, rank=rank).replace(**override)
+        blocks = None if not PATHS[real].uses_blocks else block_list(topk_ids, token_lora, E, L, cfg.block_m)
+        runs.append((path, real, cfg, lambda real=real, cfg=cfg, blocks=blocks: moe_lora(
+            x, topk_ids, topk_w, token_lora, lora_a, lora_b, path=real, mul_routed_weight=op == "w2",
+            output=out, add_inputs=True, blocks=blocks, config=cfg)))
+    _check(runs, out, moe_lora_reference(x, topk_ids, topk_w, token_lora, lora_a, lora_b,
+                                         mul_routed_weight=op == "w2"), f"{shape.name} {op} M={M} r={rank}")
+    return runs, work, dict(x=x, topk_ids=topk_ids, token_lora=token_lora, groups=groups)
 
 
 def save_plots(rows, args) -> list:
