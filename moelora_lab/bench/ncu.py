@@ -1,8 +1,8 @@
 """Nsight Compute (``ncu``) as the ``dram`` sweep runs it: the command line and its CSV report, parsed.
 
 ``ncu --csv --page raw`` writes one header row (the launch's columns, then one per metric), one row of
-units, then a row per profiled kernel. With ``--print-nvtx-rename kernel`` the kernel's name is the
-NVTX range it ran in, which is how a kernel is tied to its case.
+units, then a row per profiled kernel. With ``--print-nvtx-rename kernel`` a kernel's name is
+``<NVTX range>/<kernel>``: the range it ran in ties it to its case.
 """
 from __future__ import annotations
 
@@ -39,8 +39,8 @@ def _number(text: str, unit: str) -> float:
 
 
 def parse_ncu_csv(text: str) -> list[dict]:
-    """The kernels of an ``ncu --csv --page raw`` report, in launch order: {range (the kernel's name),
-    grid, and each of :data:`METRICS` under our column name, in bytes, ns and Hz}."""
+    """The kernels of an ``ncu --csv --page raw`` report, in launch order: {range (the NVTX range it ran
+    in), kernel (its name), grid, and each of :data:`METRICS` under our column name, in bytes, ns and Hz}."""
     lines = [line for line in text.splitlines() if line.startswith('"')]      # ncu's own ==PROF== lines out
     table = list(csv.reader(io.StringIO("\n".join(lines))))
     if len(table) < 2:
@@ -53,7 +53,8 @@ def parse_ncu_csv(text: str) -> list[dict]:
     grid = col.get("Grid Size")
     kernels = []
     for row in data:
-        k = {"range": re.sub(r"[/\s]+$", "", row[col["Kernel Name"]]),
+        where, _, kernel = row[col["Kernel Name"]].strip().partition("/")
+        k = {"range": where, "kernel": re.sub(r"[\s(<].*", "", kernel),
              "grid": row[grid].strip("() ").replace(", ", "x") if grid is not None else ""}
         for metric, name in METRICS.items():
             k[name] = _number(row[col[metric]], units[col[metric]])
