@@ -51,13 +51,14 @@ def test_the_command_profiles_only_the_ranges_and_leaves_the_clocks_alone():
 
 
 def test_rows_split_the_gap_into_extra_bytes_and_rate():
-    cases = [dict(op="w2", M=512, path="two_kernel", model_bytes=20_000_000)]
+    cases = [dict(op="w2", M=512, path="two_kernel", model_bytes=20_000_000, model_read_bytes=12_500_000)]
     kernels = parse_ncu_csv(report([COPY, ("c0", "(8, 1, 1)", 6_000, 15_000_000, 5_000_000, 0, 2e9),
                                     ("c0", "(16, 1, 1)", 4_000, 4_000_000, 6_000_000, 0, 1e9)]))
     [row] = dram_sweep.rows_from(kernels, cases, {"gpu": "test"})
     copy_tbps = 2 * 1_073_741_824 / 500_000 / 1e3                     # TB/s = bytes per ns / 1e3
     assert row["kernels"] == 2 and row["grids"] == "8x1x1;16x1x1" and row["duration_us"] == 10.0
     assert row["dram_over_model"] == 1.5 and row["dram_tbps"] == 3.0    # 30 MB in 10 us
+    assert row["read_over_model"] == round(19 / 12.5, 4)
     assert row["rate_share"] == round(3.0 / copy_tbps, 4) and row["copy_dram_tbps"] == round(copy_tbps, 4)
     assert row["model_share"] == round(2.0 / copy_tbps, 4)              # the product of the two ratios
     assert row["sm_mhz"] == 1600 and row["gpu"] == "test"               # clock weighted by duration

@@ -10,6 +10,8 @@ every kernel's DRAM rate stands next to the copy's under the same profiler.
 Two ratios split the gap between a path and the copy rate:
 
 * ``dram_over_model``: the DRAM bytes over the model's bytes (above 1: re-reads that L2 did not hold);
+  ``read_over_model`` the same for reads alone (L2 writes back: output rows still in L2 when the kernel
+  ends reach DRAM after it, uncounted, so writes alone can fall short of the model);
 * ``rate_share``: the DRAM rate while the kernels ran over the copy's (below 1: time spent not streaming:
   latency, launch and tail, too few bytes in flight).
 
@@ -89,7 +91,8 @@ def _cases(args):
                                                   dtype_bytes=inputs["x"].element_size(), add_inputs=True)
                         meta = dict(preset=preset, op=op, M=M, rank=rank, loras=args.loras, dtype=args.dtype,
                                     path=path, ran=real, block_m=cfg.block_m, block_n=cfg.block_n,
-                                    n_chunks=cfg.n_chunks, model_bytes=traffic.bytes)
+                                    n_chunks=cfg.n_chunks, model_bytes=traffic.bytes,
+                                    model_read_bytes=traffic.bytes_read)
                         yield f"c{len(args.seen)}", meta, fn
                         args.seen.append(meta)
                     del runs, inputs
@@ -153,6 +156,7 @@ def rows_from(kernels: list[dict], cases: list[dict], prov: dict) -> list[dict]:
             **meta, kernels=len(ks), grids=";".join(str(k["grid"]) for k in ks), duration_us=round(ns / 1e3, 2),
             dram_read_bytes=int(read), dram_write_bytes=int(write), l2_bytes=int(sum(k["l2_bytes"] for k in ks)),
             dram_over_model=round((read + write) / meta["model_bytes"], 4), dram_tbps=round(tbps, 4),
+            read_over_model=round(read / meta["model_read_bytes"], 4) if "model_read_bytes" in meta else "",
             copy_dram_tbps=round(copy_tbps, 4), rate_share=round(tbps / copy_tbps, 4),
             model_share=round(meta["model_bytes"] / ns / 1e3 / copy_tbps, 4),
             sm_mhz=round(sum(k["sm_hz"] * k["duration_ns"] for k in ks) / ns / 1e6), **prov))
