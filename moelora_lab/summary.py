@@ -8,6 +8,8 @@ Shape legend: M tokens, E experts, k top-k, L adapters, r rank, K in, N out.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from . import results
 from .align import RECOUNT_MAX_PAIRS, SORT_MAX_PAIRS
 
@@ -75,6 +77,17 @@ def _auto_line(kernels) -> str:
             f"{', '.join(str(r) for r in sorted({k[2] for k in ratios}))}): `auto` is within {AUTO_SLACK:.0%} of "
             f"the fastest in {len(near)} of {len(ratios)} cells; its largest loss is {ratios[worst] - 1:.0%} "
             f"({worst[0]} {worst[1]} r={worst[2]} M={worst[3]}).")
+
+
+def _dram_line(dram) -> str:
+    """What the DRAM counters say about ``auto`` at large M: the bytes it reads, the rate it streams."""
+    auto = [r for r in dram if r["path"] == "auto"]
+    return (f"Under Nsight Compute's counters (`lora_dram.csv`, `python -m moelora_lab.bench dram`, code "
+            f"{auto[0]['code']}), `auto`'s kernels at M = {_span([r['M'] for r in auto], '{}')} (r "
+            f"{', '.join(str(r) for r in sorted({r['rank'] for r in auto}))}) read "
+            f"{_span([r['read_over_model'] for r in auto])}× the byte model's reads from DRAM and stream "
+            f"{_span([100 * r['rate_share'] for r in auto], '{:.0f}', '%')} of a copy kernel's DRAM rate while they "
+            "run: the gap to the copy rate lies more in speed than in extra bytes.")
 
 
 def _speedups(ratios, against: str) -> str:
@@ -156,7 +169,10 @@ def measured_markdown(data_dir=results.DATA_DIR) -> str:
     head = kernels[0]
     out = [f"Measured on one {head['gpu']} (bf16, 4 adapters, torch {head['torch']}, triton {head['triton']}, "
            f"{head['date']}, code {head['code']}; files under `moelora_lab/data/h200/`).", ""]
-    return "\n".join(out + _op_section(kernels, vllm, align) + _layer_section(layer))
+    op = _op_section(kernels, vllm, align)
+    if (Path(data_dir) / "lora_dram.csv").exists():
+        op.append(_dram_line(results.load("lora_dram", data_dir)))
+    return "\n".join(out + op + _layer_section(layer))
 
 
 if __name__ == "__main__":

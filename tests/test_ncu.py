@@ -25,7 +25,8 @@ COPY = ("copy", "(1024, 1, 1)", 500_000, 1_073_741_824, 1_073_741_824, 2_200_000
 
 
 def test_the_report_is_parsed_in_launch_order_with_units_and_thousands_separators():
-    text = report([COPY, ("c0/one_shot_kernel", "(64, 2, 1)", 12_000, 30_000_000, 10_000_000, 90_000_000, 1_900_000_000)])
+    c0 = ("c0/one_shot_kernel", "(64, 2, 1)", 12_000, 30_000_000, 10_000_000, 90_000_000, 1_900_000_000)
+    text = report([COPY, c0])
     copy, c0 = parse_ncu_csv(text)
     assert copy["range"] == "copy" and c0["range"] == "c0" and c0["kernel"] == "one_shot_kernel"
     assert c0["grid"] == "64x2x1"
@@ -33,6 +34,24 @@ def test_the_report_is_parsed_in_launch_order_with_units_and_thousands_separator
     scaled = text.replace('"nsecond"', '"usecond"').replace('"byte"', '"mbyte"', 1)
     c0 = parse_ncu_csv(scaled)[1]
     assert c0["duration_ns"] == 12_000_000 and c0["dram_read_bytes"] == 30_000_000e6
+
+
+def test_launch_statistics_give_waves_and_occupancy_where_the_report_has_them():
+    launch = ["launch__waves_per_multiprocessor", "launch__occupancy_limit_blocks", "launch__occupancy_limit_registers",
+              "launch__occupancy_limit_shared_mem", "launch__occupancy_limit_warps"]
+    q = lambda cells: ",".join(f'"{c}"' for c in cells)
+    text = "\n".join([q(HEADER + launch), q(UNITS + [""] * 5),
+                      q([0, 1, "c0/k", "(8, 1, 1)", 10, 1, 1, 1, 1e9, "1.45", 32, 8, 9, 32]),
+                      q([1, 1, "c0/k", "(8, 1, 1)", 30, 1, 1, 1, 1e9, "0.5", 32, 12, 6, 16])])
+    one, two = parse_ncu_csv(text)
+    assert one["waves"] == 1.45 and one["occupancy"] == 8 / 32 and two["occupancy"] == 6 / 16
+    case = [dict(model_bytes=1, model_read_bytes=1)]
+    [row] = dram_sweep.rows_from(parse_ncu_csv(report([COPY])) + [one, two], case, {})
+    assert row["waves"] == round((1.45 * 10 + 0.5 * 30) / 40, 3)                 # weighted by duration
+    assert row["occupancy"] == round((0.25 * 10 + 0.375 * 30) / 40, 3)
+    # a report without launch statistics: the columns stay empty
+    [row] = dram_sweep.rows_from(parse_ncu_csv(report([COPY, ("c0", *COPY[1:])])), case, {})
+    assert row["occupancy"] == row["waves"] == ""
 
 
 def test_a_report_without_the_metrics_or_with_an_unknown_unit_is_refused():

@@ -151,3 +151,13 @@ def test_data_readme_quotes_the_gpu_test_log():
     assert len(names) == (0 if failed == "none" else int(failed))
     for name in names:
         assert f"`{name}`" in row.group(0), f"data/h200/README.md: the failed GPU test {name} is not named"
+
+
+def test_data_readme_quotes_the_counters_clock():
+    """The SM clock range the data README gives for the run under the profiler is the file's."""
+    import re
+    text = " ".join((results.DATA_DIR / "README.md").read_text().split())
+    found = re.search(r"The profiler ran the GPU at (\d+)–(\d+) MHz \(`sm_mhz`\)", text)
+    assert found, "data/h200/README.md: the sentence quoting lora_dram.csv's SM clocks is gone"
+    clocks = [row["sm_mhz"] for row in results.read_csv(results.DATA_DIR / "lora_dram.csv")]
+    assert [int(v) for v in found.groups()] == [min(clocks), max(clocks)]

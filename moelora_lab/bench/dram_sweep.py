@@ -15,7 +15,10 @@ Two ratios split the gap between a path and the copy rate:
 * ``rate_share``: the DRAM rate while the kernels ran over the copy's (below 1: time spent not streaming:
   latency, launch and tail, too few bytes in flight).
 
-``model_share`` (the model's bytes over the time, over the copy rate) is their product.
+``model_share`` (the model's bytes over the time, over the copy rate) is their product. ``waves`` (the grid
+over the programs all SMs hold at once) and ``occupancy`` (the share of an SM's warps they hold, by the
+launch's limits) come from ncu's launch statistics; like ``sm_mhz`` they are averaged over a case's
+kernels weighted by each one's duration.
 
 Each case is built and checked against the reference exactly as ``bench kernels`` builds it
 (``kernels_sweep.build_case``) before it is measured. Rows: one per (case, path).
@@ -142,7 +145,10 @@ def rows_from(kernels: list[dict], cases: list[dict], prov: dict) -> list[dict]:
     if "copy" not in by_name:
         raise RuntimeError("ncu reported no kernel of the reference copy: was the run profiled at all?")
     copy = by_name["copy"]
-    copy_tbps = sum(k["dram_read_bytes"] + k["dram_write_bytes"] for k in copy) / sum(k["duration_ns"] for k in copy) / 1e3
+    copy_bytes = sum(k["dram_read_bytes"] + k["dram_write_bytes"] for k in copy)
+    copy_tbps = copy_bytes / sum(k["duration_ns"] for k in copy) / 1e3          # bytes per ns / 1e3 = TB/s
+    with_limits = all("occupancy" in k for k in copy)
+    copy_occupancy = round(sum(k["occupancy"] for k in copy) / len(copy), 3) if with_limits else ""
     rows = []
     for i, meta in enumerate(cases):
         ks = by_name.get(f"c{i}")
@@ -157,9 +163,11 @@ def rows_from(kernels: list[dict], cases: list[dict], prov: dict) -> list[dict]:
             dram_read_bytes=int(read), dram_write_bytes=int(write), l2_bytes=int(sum(k["l2_bytes"] for k in ks)),
             dram_over_model=round((read + write) / meta["model_bytes"], 4), dram_tbps=round(tbps, 4),
             read_over_model=round(read / meta["model_read_bytes"], 4) if "model_read_bytes" in meta else "",
-            copy_dram_tbps=round(copy_tbps, 4), rate_share=round(tbps / copy_tbps, 4),
+            copy_dram_tbps=round(copy_tbps, 4), copy_occupancy=copy_occupancy, rate_share=round(tbps / copy_tbps, 4),
             model_share=round(meta["model_bytes"] / ns / 1e3 / copy_tbps, 4),
-            sm_mhz=round(sum(k["sm_hz"] * k["duration_ns"] for k in ks) / ns / 1e6), **prov))
+            sm_mhz=round(sum(k["sm_hz"] * k["duration_ns"] for k in ks) / ns / 1e6),
+            **{c: round(sum(k[c] * k["duration_ns"] for k in ks) / ns, 3) if all(c in k for k in ks) else ""
+               for c in ("waves", "occupancy")}, **prov))
     return rows
 
 

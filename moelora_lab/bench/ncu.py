@@ -18,6 +18,10 @@ METRICS = {
     "lts__t_bytes.sum": "l2_bytes",
     "sm__cycles_elapsed.avg.per_second": "sm_hz",
 }
+# launch statistics ncu's raw page carries with every kernel (no extra pass): our column <- ncu's
+LAUNCH = {"waves": "launch__waves_per_multiprocessor", "blocks_per_sm_warps": "launch__occupancy_limit_warps"}
+LIMITS = ("launch__occupancy_limit_blocks", "launch__occupancy_limit_registers", "launch__occupancy_limit_shared_mem",
+          "launch__occupancy_limit_warps", "launch__occupancy_limit_barriers")
 UNIT = {"": 1, "byte": 1, "kbyte": 1e3, "mbyte": 1e6, "gbyte": 1e9, "ns": 1, "nsecond": 1, "us": 1e3,
         "usecond": 1e3, "ms": 1e6, "msecond": 1e6, "s": 1e9, "second": 1e9, "hz": 1, "khz": 1e3, "mhz": 1e6,
         "ghz": 1e9, "cycle/nsecond": 1e9, "cycle/usecond": 1e6, "cycle/second": 1}
@@ -40,7 +44,10 @@ def _number(text: str, unit: str) -> float:
 
 def parse_ncu_csv(text: str) -> list[dict]:
     """The kernels of an ``ncu --csv --page raw`` report, in launch order: {range (the NVTX range it ran
-    in), kernel (its name), grid, and each of :data:`METRICS` under our column name, in bytes, ns and Hz}."""
+    in), kernel (its name), grid, each of :data:`METRICS` under our column name, in bytes, ns and Hz, and,
+    where the report has them, ``waves`` (the grid in waves of the programs that fit on all SMs at once)
+    and ``occupancy`` (the share of an SM's warps those programs hold: the tightest of the limits, by
+    blocks, registers, shared memory and barriers, over the limit by warps alone)}."""
     lines = [line for line in text.splitlines() if line.startswith('"')]      # ncu's own ==PROF== lines out
     table = list(csv.reader(io.StringIO("\n".join(lines))))
     if len(table) < 2:
@@ -58,5 +65,9 @@ def parse_ncu_csv(text: str) -> list[dict]:
              "grid": row[grid].strip("() ").replace(", ", "x") if grid is not None else ""}
         for metric, name in METRICS.items():
             k[name] = _number(row[col[metric]], units[col[metric]])
+        if all(c in col for c in (LAUNCH["waves"], *LIMITS[:4])):
+            fits = min(int(_number(row[col[c]], "")) for c in LIMITS if c in col)
+            k["waves"] = _number(row[col[LAUNCH["waves"]]], "")
+            k["occupancy"] = fits / _number(row[col[LAUNCH["blocks_per_sm_warps"]]], "")
         kernels.append(k)
     return kernels
