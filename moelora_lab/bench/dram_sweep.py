@@ -59,6 +59,7 @@ def add_parser(sub):
     d.add_argument("--from-report", type=Path, default=None,
                    help="parse a saved <name>_report.json again instead of measuring (no GPU needed)")
     d.add_argument("--inner", type=Path, default=None, help=argparse.SUPPRESS)   # the child under ncu
+    d.set_defaults(tune=False, small_batch_max_tokens=0)     # what build_case reads: default tiles, no per-pair path
 
 
 def find_ncu(explicit: str | None = None) -> str:
@@ -76,10 +77,9 @@ def find_ncu(explicit: str | None = None) -> str:
 
 
 def _cases(args):
-    """(case name, meta, the call) for every case and path, each case built and checked when reached."""
+    """(meta, the call) for every case and path, each case built and checked when reached."""
     dtype = getattr(torch, args.dtype)
     gen = seeded_generator(args.seed)
-    args.tune, args.small_batch_max_tokens = False, 0        # what build_case reads: default tiles, no per-pair path
     for preset in args.presets:
         shape = MoEShape.from_name(preset)
         for rank in args.ranks:
@@ -96,8 +96,7 @@ def _cases(args):
                                     path=path, ran=real, block_m=cfg.block_m, block_n=cfg.block_n,
                                     n_chunks=cfg.n_chunks, model_bytes=traffic.bytes,
                                     model_read_bytes=traffic.bytes_read)
-                        yield f"c{len(args.seen)}", meta, fn
-                        args.seen.append(meta)
+                        yield meta, fn
                     del runs, inputs
                 del lora_a, lora_b
 
@@ -106,7 +105,7 @@ def run_inner(args) -> None:
     """The child under ncu: each case once inside its own profiled range, named by an NVTX range (ncu
     names the kernels after it); the copy first. The cases' meta go to ``args.inner`` as JSON."""
     cuda = device() == "cuda"
-    args.seen = []
+    seen = []
 
     def measured(name, fn):
         fn()                                                  # compiled and warm outside the profiled range
@@ -125,9 +124,10 @@ def run_inner(args) -> None:
     dst = torch.empty_like(src)
     measured("copy", lambda: torch.mul(src, 1, out=dst))     # a kernel (a plain copy_ is a DMA ncu cannot see)
     del src, dst
-    for name, _, fn in progress(_cases(args), desc="dram", unit="run"):
-        measured(name, fn)
-    Path(args.inner).write_text(json.dumps(args.seen))
+    for meta, fn in progress(_cases(args), desc="dram", unit="run"):
+        measured(f"c{len(seen)}", fn)                          # rows_from finds case i by this name
+        seen.append(meta)
+    Path(args.inner).write_text(json.dumps(seen))
 
 
 def child_argv(args, cases_path: Path) -> list[str]:

@@ -115,8 +115,9 @@ def run(args) -> list[dict]:
 
 def build_case(shape, op: str, rank: int, M: int, lora_a, lora_b, args, gen, dtype):
     """One case of the sweep, checked: [(path, the op it runs, its config, the call)], the workload, and the
-    inputs (x, topk_ids, token_lora, and the (adapter, expert) groups the pairs touch). Every run adds into the same ``out`` and has been checked against the reference
-    (``_check``), so a path or tile that computes a wrong result stops the sweep before it is measured."""
+    inputs (x, topk_ids, token_lora, and the (adapter, expert) groups the pairs touch). Every run adds into
+    the same ``out`` and has been checked against the reference (``_check``), so a path or tile that
+    computes a wrong result stops the sweep before it is measured."""
     L, E, k = args.loras, shape.num_experts, shape.top_k
     k_in, n_out, S = lora_a[0].shape[3], lora_b[0].shape[2], len(lora_a)
     topk_ids, topk_w, token_lora = sweep_routing(shape, L, M, args.seed)
