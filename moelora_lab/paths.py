@@ -10,7 +10,8 @@ here. Launchers take inputs that were already validated and never synchronise wi
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+from dataclasses import dataclass, replace
 from typing import Callable, NamedTuple
 
 import torch
@@ -127,6 +128,39 @@ def launch_reference(call: LoRACall, cfg: KernelConfig | None = None) -> None:
     out.copy_(torch.where(owned, new.to(out.dtype), out))
 
 
+@dataclass(frozen=True)
+class OneShotBuild:
+    """How the one-shot kernel is built (the same for every tile; ``one_shot_build`` changes it for a
+    measurement): ``both_slices`` gives w13's two slices to one program, which reads its x rows once;
+    ``prefetch_out`` loads each expand step's output tile one step ahead; ``expand_stages`` is the
+    expand loop's pipeline depth (None: the tile's num_stages); ``clamp_ranks`` builds the rank
+    offsets as this code once did (scattered to the compiler, see ``kernels.common.rank_tile``)."""
+
+    both_slices: bool = False
+    prefetch_out: bool = True
+    expand_stages: int | None = None
+    clamp_ranks: bool = False
+
+
+ONE_SHOT_BUILD = OneShotBuild()
+
+
+@contextlib.contextmanager
+def one_shot_build(**changes):
+    """Inside the block, launch the one-shot kernel built another way (fields of :class:`OneShotBuild`),
+    to measure what each choice buys (``python -m moelora_lab.bench expand``)."""
+    global ONE_SHOT_BUILD
+    saved = ONE_SHOT_BUILD
+    try:
+        ONE_SHOT_BUILD = replace(saved, **changes)
+    except TypeError as e:
+        raise TypeError(f"one_shot_build: {e}; the fields are {', '.join(OneShotBuild.__dataclass_fields__)}") from None
+    try:
+        yield ONE_SHOT_BUILD
+    finally:
+        ONE_SHOT_BUILD = saved
+
+
 def launch_one_shot(call: LoRACall, cfg: KernelConfig | None = None):
     """Returns the compiled kernel on a GPU (registers, spills), for ``profile.report``."""
     x, blocks, out2d, weights = call.x, call.blocks, call.out2d, call.weights()
@@ -134,16 +168,18 @@ def launch_one_shot(call: LoRACall, cfg: KernelConfig | None = None):
     cfg = _block_config(call, cfg, "one_shot")
     block_r, rank_tiles = cfg.rank_tiling(R)
     n_chunks = min(cfg.n_chunks, triton.cdiv(N, cfg.block_n))    # never more chunks than N tiles
-    compiled = None
+    build, compiled = ONE_SHOT_BUILD, None
     for s0, ns in _slice_pairs(S):
-        compiled = one_shot_kernel[(blocks.num_blocks, ns * n_chunks)](
+        both = build.both_slices and ns == 2
+        compiled = one_shot_kernel[(blocks.num_blocks, (1 if both else ns) * n_chunks)](
             x, *_slices(call.lora_a, s0), *_slices(call.lora_b, s0), out2d, weights, *blocks.tensors,
             call.ranks_or(blocks.block_lora), M * k, k, K, N, R, s0 * N,
             x.stride(0), x.stride(1), *call.lora_a[0].stride(), *call.lora_b[0].stride(), *out2d.stride(),
             N_CHUNKS=n_chunks, BLOCK_M=blocks.block_size, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             BLOCK_R=block_r, RANK_TILES=rank_tiles, TOKEN_ROWS=call.token_rows, MUL_ROUTED_WEIGHT=call.mul_routed_weight,
             ADD_INPUTS=call.add_inputs, DOT_PRECISION=_precision(x), HAS_RANKS=call.lora_ranks is not None,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            BOTH_SLICES=both, PREFETCH_OUT=build.prefetch_out, EXPAND_STAGES=build.expand_stages,
+            CLAMP_RANKS=build.clamp_ranks, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return compiled
 
 

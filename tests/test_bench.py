@@ -161,6 +161,31 @@ def test_b_layout_pipeline(cpu_bench, tmp_path):
                                                        for lay in ("r_fastest", "n_fastest")}
 
 
+def test_expand_pipeline(cpu_bench, tmp_path):
+    """bench expand: every build of the one-shot kernel is checked, then timed with the others of its case
+    (both_slices only where there are two slices), with B as given and packed."""
+    from moelora_lab.bench import expand_sweep
+    assert cli.main(["expand", "--presets", "tiny", "--tokens", "3", "--packed-tokens", "3", "--ranks", "8",
+                     "--dtype", "float32", "--out", str(tmp_path)]) == 0
+    rows = read_csv(tmp_path / "one_shot_build.csv")
+    w13 = list(expand_sweep.VARIANTS)
+    w2 = [v for v in w13 if not expand_sweep.VARIANTS[v][1]]
+    assert [r["variant"] for r in rows] == (w13 + w13 + w2 + w2)
+    assert {r["b_layout"] for r in rows} == {"r_fastest", "n_fastest"}
+    before = next(r for r in rows if r["variant"] == "before")
+    assert (before["clamp_ranks"], before["prefetch_out"]) == ("True", "False")      # CSV text
+    assert [c for c in cpu_bench if isinstance(c, tuple)] == [tuple(w13)] * 2 + [tuple(w2)] * 2
+
+
+def test_expand_refuses_a_wrong_build(cpu_bench, tmp_path, monkeypatch):
+    """A build that computes a wrong result stops the sweep before anything is timed."""
+    from moelora_lab.bench import expand_sweep
+    monkeypatch.setattr(expand_sweep, "close", lambda got, want: False)
+    with pytest.raises(RuntimeError, match="the before build computes a wrong result"):
+        cli.main(["expand", "--presets", "tiny", "--tokens", "3", "--ranks", "8", "--dtype", "float32",
+                  "--out", str(tmp_path)])
+
+
 def test_in_k_pipeline(cpu_bench, tmp_path):
     """bench in_k: w2's LoRA in K checked against two streams, then timed with the others of its case."""
     from moelora_lab.bench import in_k_sweep
@@ -194,7 +219,7 @@ def test_recorded_command_leaves_out_the_output_folder(cpu_bench, tmp_path):
 def test_every_subcommand_parses_its_defaults():
     from moelora_lab.bench import layer_sweep
     assert list(cli.SUBCOMMANDS) == ["kernels", "registers", "layer", "align", "gemm", "eager", "tune", "layout",
-                                    "profiler", "in_k", "dram"]
+                                    "expand", "profiler", "in_k", "dram"]
     for what, module in cli.SUBCOMMANDS.items():
         args = cli.parse_args([what])
         assert args.what == module.NAME == what and args.command == f"python -m moelora_lab.bench {what}"

@@ -41,12 +41,17 @@ def slot_rank(lora_ranks_ptr, lora, R, HAS_RANKS: tl.constexpr):
 
 
 @triton.jit
-def rank_tile(r0, r_lim, BLOCK_R: tl.constexpr):
-    """Rank offsets r0 .. r0+BLOCK_R and their mask (< r_lim); masked lanes point at row 0, so a
-    padded tile never addresses past the weights."""
+def rank_tile(r0, r_lim, BLOCK_R: tl.constexpr, CLAMP: tl.constexpr = False):
+    """Rank offsets r0 .. r0+BLOCK_R and their mask (< r_lim). The offsets stay one contiguous run
+    (masked lanes are never read): where r is the fastest axis of a weight, as in B [L, E, N, r],
+    that lets the compiler load 16-byte vectors and pipeline the loads. ``CLAMP`` points the masked
+    lanes at row 0 instead, as this code once did: the compiler then sees scattered offsets and loads
+    such a tile 2 bytes at a time, unpipelined (kept to measure what that cost)."""
     offs_r = r0 + tl.arange(0, BLOCK_R)
     r_ok = offs_r < r_lim
-    return tl.where(r_ok, offs_r, 0), r_ok
+    if CLAMP:
+        offs_r = tl.where(r_ok, offs_r, 0)
+    return offs_r, r_ok
 
 
 @triton.jit

@@ -3,17 +3,79 @@
 Shape legend: M tokens, k top-k, L adapters, E experts, r rank, K in, N out, S slices,
 BM = BLOCK_M pairs per block, B blocks.
 
-One program owns one block of BM pairs that share an (adapter, expert), one slice and one chunk of
-the N columns. For each rank tile of BLOCK_R columns it computes T = X @ A^T as an fp32
-[BM, BLOCK_R] register tile, casts it to the activation dtype and multiplies it by B^T tile by tile
-along N. Ranks wider than one register tile (r > BLOCK_R) loop over rank tiles; every tile after the
-first adds its partial product into the output rows this program owns, so any rank works and
-the fusion is kept (the output rows are re-read once per extra rank tile, never T).
+One program owns one block of BM pairs that share an (adapter, expert), one slice (or, with
+BOTH_SLICES, both: x is read once for the two shrinks) and one chunk of the N columns. For each rank
+tile of BLOCK_R columns it computes T = X @ A^T as an fp32 [BM, BLOCK_R] register tile, casts it to
+the activation dtype and multiplies it by B^T tile by tile along N. Ranks wider than one register
+tile (r > BLOCK_R) loop over rank tiles; every tile after the first adds its partial product into
+the output rows this program owns, so any rank works and the fusion is kept (the output rows are
+re-read once per extra rank tile, never T).
+
+The expand walks N one tile at a time and each step needs two loads from HBM (the B tile and the
+output tile it adds to). The compiler does not pipeline that loop (it stores into what it loads),
+so the kernel does it by hand: the first tiles' loads are issued before the shrink, and every step
+issues the next tile's loads before it computes its own, so their latency hides behind the work.
 """
 import triton
 import triton.language as tl
 
 from .common import block_rows, rank_tile, rank_tile_runs, slice_pointers, slot_rank
+
+
+@triton.jit
+def _shrink(x_base, valid, a0_ptr, a1_ptr, offs_r, r_ok, K, stride_xk, stride_ar, stride_ak,
+            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, EVEN_K: tl.constexpr,
+            DOT_PRECISION: tl.constexpr, BOTH_SLICES: tl.constexpr):
+    """t0[BM, BLOCK_R] = X[rows] @ A0[r-tile]^T in fp32 (and t1 from A1 and the same x tiles with BOTH_SLICES)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    t0 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    t1 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + offs_k
+        a_off = offs_r[None, :] * stride_ar + ks[:, None] * stride_ak                  # [BK, BR]
+        if EVEN_K:
+            x_ok = valid[:, None]
+            a_ok = r_ok[None, :]
+        else:
+            x_ok = valid[:, None] & (ks < K)[None, :]
+            a_ok = r_ok[None, :] & (ks < K)[:, None]
+        xk = tl.load(x_base + ks[None, :] * stride_xk, mask=x_ok, other=0.0)           # [BM, BK]
+        t0 = tl.dot(xk, tl.load(a0_ptr + a_off, mask=a_ok, other=0.0), t0, input_precision=DOT_PRECISION)
+        if BOTH_SLICES:
+            t1 = tl.dot(xk, tl.load(a1_ptr + a_off, mask=a_ok, other=0.0), t1, input_precision=DOT_PRECISION)
+    return t0, t1
+
+
+@triton.jit
+def _expand(t, b_ptr, out_base, weight, n_lo, n_hi, offs_r, r_ok, valid, read_out, stride_bn, stride_br, stride_on,
+            BLOCK_N: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+            PREFETCH_OUT: tl.constexpr, EXPAND_STAGES: tl.constexpr):
+    """out[rows, n_lo:n_hi] = (w *) t @ B^T (+ the output already there where ``read_out``), one
+    BLOCK_N tile per step. The compiler pipelines the B tiles (they feed the dot) but not the output
+    tiles (it stores into what it loads): with PREFETCH_OUT every step loads the next step's output
+    tile before it computes its own, so that load's latency hides behind the step."""
+    offs_n = tl.arange(0, BLOCK_N)
+    ns = n_lo + offs_n
+    prev = tl.load(out_base + ns[None, :] * stride_on, mask=valid[:, None] & (ns < n_hi)[None, :] & read_out,
+                   other=0.0)
+    for n0 in tl.range(n_lo, n_hi, BLOCK_N, num_stages=EXPAND_STAGES):
+        ns = n0 + offs_n
+        n_ok = ns < n_hi
+        out = out_base + ns[None, :] * stride_on
+        if PREFETCH_OUT:    # past n_hi every lane is masked: nothing is read
+            prev_next = tl.load(out + BLOCK_N * stride_on, mask=valid[:, None] & (ns + BLOCK_N < n_hi)[None, :]
+                                & read_out, other=0.0)
+        else:
+            prev = tl.load(out, mask=valid[:, None] & n_ok[None, :] & read_out, other=0.0)
+        bt = tl.load(b_ptr + ns[None, :] * stride_bn + offs_r[:, None] * stride_br,
+                     mask=n_ok[None, :] & r_ok[:, None], other=0.0)                        # [BR, BN]
+        acc = tl.dot(t, bt, input_precision=DOT_PRECISION)                                # [BM, BN] fp32
+        if MUL_ROUTED_WEIGHT:
+            acc = acc * weight[:, None]
+        acc += prev.to(tl.float32)
+        tl.store(out, acc.to(out_base.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+        if PREFETCH_OUT:
+            prev = prev_next
 
 
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
@@ -38,6 +100,10 @@ def one_shot_kernel(
     RANK_TILES: tl.constexpr,         # cdiv(r, BLOCK_R)
     TOKEN_ROWS: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, ADD_INPUTS: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_RANKS: tl.constexpr,
+    BOTH_SLICES: tl.constexpr = False,  # one program does slices 0 and 1 (grid axis 1: N_CHUNKS, not 2*N_CHUNKS)
+    PREFETCH_OUT: tl.constexpr = True,   # load each expand step's output tile one step ahead
+    EXPAND_STAGES: tl.constexpr = None,  # the expand loop's pipeline depth (None: num_stages)
+    CLAMP_RANKS: tl.constexpr = False,   # scattered rank offsets, as before (``rank_tile``), to measure
 ):
     tl.static_assert(BLOCK_R >= 16, "tl.dot needs an inner size of at least 16: pad BLOCK_R")
     tl.static_assert(BLOCK_M >= 16, "tl.dot needs at least 16 rows: use BLOCK_M >= 16")
@@ -50,54 +116,38 @@ def one_shot_kernel(
     expert = tl.load(block_expert_ptr + block)
     r_lim = slot_rank(lora_ranks_ptr, lora, R, HAS_RANKS)   # a rank-8 adapter in a rank-64 slot reads 8 rows
     a_ptr, b_ptr = slice_pointers(slice_id, a0_ptr, a1_ptr, b0_ptr, b1_ptr)
-    a_ptr += lora.to(tl.int64) * stride_al + expert.to(tl.int64) * stride_ae
-    b_ptr += lora.to(tl.int64) * stride_bl + expert.to(tl.int64) * stride_be
+    w_a = lora.to(tl.int64) * stride_al + expert.to(tl.int64) * stride_ae
+    w_b = lora.to(tl.int64) * stride_bl + expert.to(tl.int64) * stride_be
+    a_ptr += w_a
+    b_ptr += w_b
 
     pairs, valid, x_rows = block_rows(sorted_pairs_ptr, block, num_pairs, top_k, BLOCK_M, TOKEN_ROWS)
+    weight = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if MUL_ROUTED_WEIGHT:
         weight = tl.load(topk_weights_ptr + pairs, mask=valid, other=0.0)          # [BM] fp32
 
     chunk_len = tl.cdiv(tl.cdiv(N, N_CHUNKS), BLOCK_N) * BLOCK_N
     n_lo = chunk * chunk_len
     n_hi = tl.minimum(n_lo + chunk_len, N)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_n = tl.arange(0, BLOCK_N)
     x_base = x_ptr + x_rows.to(tl.int64)[:, None] * stride_xm                     # [BM, 1]
     out_base = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + (slice_offset + slice_id * N) * stride_on
 
     for rt in range(RANK_TILES):
         if rank_tile_runs(rt, r_lim, BLOCK_R, HAS_RANKS):
-            offs_r, r_ok = rank_tile(rt * BLOCK_R, r_lim, BLOCK_R)
+            offs_r, r_ok = rank_tile(rt * BLOCK_R, r_lim, BLOCK_R, CLAMP_RANKS)
+            if ADD_INPUTS:
+                read_out = rt >= 0                   # the caller's output ...
+            else:
+                read_out = rt > 0                    # ... or the earlier rank tiles' sums
             # ---- shrink: t[BM, BLOCK_R] = X[rows, :] @ A[lora, expert, r-tile, :]^T, fp32 in registers
-            t = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                ks = k0 + offs_k
-                if EVEN_K:
-                    xk = tl.load(x_base + ks[None, :] * stride_xk, mask=valid[:, None], other=0.0)
-                    ak = tl.load(a_ptr + offs_r[None, :] * stride_ar + ks[:, None] * stride_ak,
-                                 mask=r_ok[None, :], other=0.0)
-                else:
-                    k_ok = ks < K
-                    xk = tl.load(x_base + ks[None, :] * stride_xk, mask=valid[:, None] & k_ok[None, :], other=0.0)
-                    ak = tl.load(a_ptr + offs_r[None, :] * stride_ar + ks[:, None] * stride_ak,
-                                 mask=r_ok[None, :] & k_ok[:, None], other=0.0)
-                t = tl.dot(xk, ak, t, input_precision=DOT_PRECISION)                  # [BM, BK] @ [BK, BR]
-            t = t.to(x_ptr.dtype.element_ty)
+            t0, t1 = _shrink(x_base, valid, a_ptr, a1_ptr + w_a, offs_r, r_ok, K, stride_xk, stride_ar, stride_ak,
+                             BLOCK_M, BLOCK_K, BLOCK_R, EVEN_K, DOT_PRECISION, BOTH_SLICES)
             # ---- expand: out[rows, n-tile] (+)= w * t @ B[lora, expert, n-tile, r-tile]^T
-            for n0 in range(n_lo, n_hi, BLOCK_N):
-                ns = n0 + offs_n
-                n_ok = ns < n_hi
-                bt = tl.load(b_ptr + ns[None, :] * stride_bn + offs_r[:, None] * stride_br,
-                             mask=n_ok[None, :] & r_ok[:, None], other=0.0)            # [BR, BN]
-                acc = tl.dot(t, bt, input_precision=DOT_PRECISION)                     # [BM, BN] fp32
-                if MUL_ROUTED_WEIGHT:
-                    acc = acc * weight[:, None]
-                mask = valid[:, None] & n_ok[None, :]
-                out = out_base + ns[None, :] * stride_on
-                if ADD_INPUTS:
-                    acc += tl.load(out, mask=mask, other=0.0).to(tl.float32)
-                elif rt > 0:
-                    acc += tl.load(out, mask=mask, other=0.0).to(tl.float32)       # earlier rank tiles
-                tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+            _expand(t0.to(x_ptr.dtype.element_ty), b_ptr, out_base, weight, n_lo, n_hi, offs_r, r_ok, valid, read_out,
+                    stride_bn, stride_br, stride_on, BLOCK_N, MUL_ROUTED_WEIGHT, DOT_PRECISION, PREFETCH_OUT, EXPAND_STAGES)
+            if BOTH_SLICES:
+                _expand(t1.to(x_ptr.dtype.element_ty), b1_ptr + w_b, out_base + N * stride_on, weight, n_lo, n_hi,
+                        offs_r, r_ok, valid, read_out, stride_bn, stride_br, stride_on, BLOCK_N, MUL_ROUTED_WEIGHT,
+                        DOT_PRECISION, PREFETCH_OUT, EXPAND_STAGES)
             if RANK_TILES > 1:
                 tl.debug_barrier()   # the next rank tile re-reads what other threads of this program stored
