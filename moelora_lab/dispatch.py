@@ -135,6 +135,21 @@ TWO_KERNEL_NARROW_BLOCK_M = 32  # two-kernel blocks of at most this many pairs .
 TWO_KERNEL_NARROW_RANK = 64     # ... and rank tiles at most this wide: 2 warps
 
 
+# How the one-shot kernel's expand is built (``paths.OneShotBuild``), from one H200 sweep (`bench expand`,
+# data/h200/one_shot_build.csv: qwen3-30b-a3b, w13 and w2, r 16 and 64, M 64..8192, every build of a case in
+# interleaved rounds). Contiguous rank offsets alone (B vectorised and pipelined) took 1.03-1.52x less time
+# than before with B as given and changed nothing with B packed. Loading the next output tile one step ahead
+# bought up to 1.19x more at r 64 and never lost there, but at r 16 it lost up to 1.24x (M = 2048: more
+# registers, fewer programs per SM), so it runs where the rank tile is 32..64 wide. Rank tiles wider than 64
+# (r >= 128) load B without the expand pipeline: with it, r 512 in four tiles of 128 spilled registers.
+def one_shot_build_rule(block_r: int) -> tuple[bool, int | None]:
+    """(prefetch the output tile, the expand loop's stages: None = the tile's num_stages) for a rank tile
+    ``block_r`` wide (see the measurements above)."""
+    if block_r > MID_RANK:
+        return False, 1
+    return block_r > NARROW_RANK, None
+
+
 def choose_path(num_pairs: int, num_experts: int, num_loras: int, rank: int, n_out: int | None = None) -> str:
     """The ``auto`` rule (see the measurements above): one-shot, except
     * r >= 64 with 32..4096 pairs (r >= 128: 1..4096 pairs; r < 128 and an output of at most

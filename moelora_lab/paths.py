@@ -18,7 +18,7 @@ import torch
 import triton
 
 from .blocks import BlockList
-from .dispatch import KernelConfig, choose_config, choose_path, choose_side_path, num_sms
+from .dispatch import KernelConfig, choose_config, choose_path, choose_side_path, num_sms, one_shot_build_rule
 from .kernels.one_shot import one_shot_kernel
 from .kernels.small_batch import small_batch_kernel
 from .kernels.two_kernel import expand_kernel, shrink_kernel
@@ -133,11 +133,12 @@ class OneShotBuild:
     """How the one-shot kernel is built (the same for every tile; ``one_shot_build`` changes it for a
     measurement): ``both_slices`` gives w13's two slices to one program, which reads its x rows once;
     ``prefetch_out`` loads each expand step's output tile one step ahead; ``expand_stages`` is the
-    expand loop's pipeline depth (None: the tile's num_stages); ``clamp_ranks`` builds the rank
-    offsets as this code once did (scattered to the compiler, see ``kernels.common.rank_tile``)."""
+    expand loop's pipeline depth (0: the tile's num_stages); ``clamp_ranks`` builds the rank offsets
+    as this code once did (scattered to the compiler, see ``kernels.common.rank_tile``). None takes
+    ``dispatch.one_shot_build_rule``'s choice for the tile's rank tile."""
 
     both_slices: bool = False
-    prefetch_out: bool = True
+    prefetch_out: bool | None = None
     expand_stages: int | None = None
     clamp_ranks: bool = False
 
@@ -169,6 +170,9 @@ def launch_one_shot(call: LoRACall, cfg: KernelConfig | None = None):
     block_r, rank_tiles = cfg.rank_tiling(R)
     n_chunks = min(cfg.n_chunks, triton.cdiv(N, cfg.block_n))    # never more chunks than N tiles
     build, compiled = ONE_SHOT_BUILD, None
+    prefetch, stages = one_shot_build_rule(block_r)
+    prefetch = prefetch if build.prefetch_out is None else build.prefetch_out
+    stages = stages if build.expand_stages is None else (build.expand_stages or None)
     for s0, ns in _slice_pairs(S):
         both = build.both_slices and ns == 2
         compiled = one_shot_kernel[(blocks.num_blocks, (1 if both else ns) * n_chunks)](
@@ -178,7 +182,7 @@ def launch_one_shot(call: LoRACall, cfg: KernelConfig | None = None):
             N_CHUNKS=n_chunks, BLOCK_M=blocks.block_size, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             BLOCK_R=block_r, RANK_TILES=rank_tiles, TOKEN_ROWS=call.token_rows, MUL_ROUTED_WEIGHT=call.mul_routed_weight,
             ADD_INPUTS=call.add_inputs, DOT_PRECISION=_precision(x), HAS_RANKS=call.lora_ranks is not None,
-            BOTH_SLICES=both, PREFETCH_OUT=build.prefetch_out, EXPAND_STAGES=build.expand_stages,
+            BOTH_SLICES=both, PREFETCH_OUT=prefetch, EXPAND_STAGES=stages,
             CLAMP_RANKS=build.clamp_ranks, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return compiled
 

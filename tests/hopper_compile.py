@@ -17,6 +17,7 @@ import triton  # noqa: E402  (after the switch: moelora_lab is imported below, k
 
 import moelora_lab  # noqa: E402,F401
 from moelora_lab.kernels import align, base_moe, combine, in_k, in_k_overlap, one_shot, small_batch, two_kernel  # noqa: E402,E501
+from moelora_lab.dispatch import one_shot_build_rule  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
@@ -54,6 +55,12 @@ def resources(compiled) -> dict:
     return dict(regs=int(found.group(1)), stack=int(found.group(2)))
 
 
+def launched(block_r: int) -> dict:
+    """The one-shot kernel's build flags as the launcher passes them for a rank tile ``block_r`` wide."""
+    prefetch, stages = one_shot_build_rule(block_r)
+    return dict(PREFETCH_OUT=prefetch, EXPAND_STAGES=stages)
+
+
 def ptrs(*names, dtype="bf16"):
     return {n: f"*{dtype}" for n in names}
 
@@ -74,7 +81,12 @@ def main():
     for tiles, ranks in ((1, False), (2, True), (4, True)):
         cases.append((f"one_shot rank_tiles={tiles} ranks={ranks}", one_shot.one_shot_kernel, lora,
                       dict(common, N_CHUNKS=2, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, BLOCK_R=128, RANK_TILES=tiles,
-                           EVEN_K=True, HAS_RANKS=ranks)))
+                           EVEN_K=True, HAS_RANKS=ranks, **launched(128))))
+    for name, flags in (("both slices", dict(BOTH_SLICES=True)), ("output prefetched", dict(PREFETCH_OUT=True)),
+                        ("clamped rank offsets, expand unpipelined", dict(CLAMP_RANKS=True, EXPAND_STAGES=1))):
+        cases.append((f"one_shot {name}", one_shot.one_shot_kernel, lora,
+                      dict(common, N_CHUNKS=1, BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, BLOCK_R=64, RANK_TILES=1,
+                           EVEN_K=True, HAS_RANKS=False, **flags)))
     cases += [
         ("shrink", two_kernel.shrink_kernel, lora, dict(BLOCK_M=16, BLOCK_K=128, BLOCK_R=64, TOKEN_ROWS=True,
                                                         DOT_PRECISION="tf32", HAS_RANKS=True)),
@@ -119,8 +131,8 @@ def main():
     # data/h200/registers.csv: one 512-wide register tile spills to the stack; four tiles of 128 do not
     base = dict(common, MUL_ROUTED_WEIGHT=False, N_CHUNKS=1, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, EVEN_K=True,
                 HAS_RANKS=False)
-    tiled = resources(build(one_shot.one_shot_kernel, lora, dict(base, BLOCK_R=128, RANK_TILES=4)))
-    whole = resources(build(one_shot.one_shot_kernel, lora, dict(base, BLOCK_R=512, RANK_TILES=1)))
+    tiled = resources(build(one_shot.one_shot_kernel, lora, dict(base, BLOCK_R=128, RANK_TILES=4, **launched(128))))
+    whole = resources(build(one_shot.one_shot_kernel, lora, dict(base, BLOCK_R=512, RANK_TILES=1, **launched(512))))
     print(f"one_shot r=512: 4 tiles of 128 -> {tiled}; 1 tile of 512 -> {whole}")
     # triton 3.6 (the compiler of data/h200/registers.csv): no spill at all with rank tiles; triton 3.7's
     # bundled ptxas keeps a small stack (320 bytes), still a fraction of the single tile's

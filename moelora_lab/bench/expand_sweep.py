@@ -22,15 +22,16 @@ from .common import close, device, progress, seeded_generator, sweep_parser, swe
 
 NAME = "expand"
 ROUNDS = 3
-# name: (OneShotBuild fields, w13 only). "before" is the kernel as it was: scattered rank offsets (B,
-# rank fastest, loaded 2 bytes at a time, unpipelined) and the output tile loaded in its own step.
+# name: (OneShotBuild fields, w13 only). "before" is the kernel as it was: scattered rank offsets (B, rank
+# fastest, loaded 2 bytes at a time, unpipelined) and the output tile loaded in its own step. expand_stages 0
+# is the tile's num_stages, 1 no pipeline.
 VARIANTS = {
-    "before": (dict(clamp_ranks=True, prefetch_out=False), False),
-    "contiguous": (dict(prefetch_out=False), False),
+    "before": (dict(clamp_ranks=True, prefetch_out=False, expand_stages=0), False),
+    "contiguous": (dict(prefetch_out=False, expand_stages=0), False),
     "contiguous_unpipelined": (dict(prefetch_out=False, expand_stages=1), False),
-    "prefetch": (dict(), False),
-    "prefetch_unpipelined": (dict(expand_stages=1), False),
-    "both_slices": (dict(both_slices=True), True),
+    "prefetch": (dict(prefetch_out=True, expand_stages=0), False),
+    "prefetch_unpipelined": (dict(prefetch_out=True, expand_stages=1), False),
+    "both_slices": (dict(both_slices=True, prefetch_out=True, expand_stages=0), True),
 }
 
 
@@ -103,4 +104,4 @@ def run(args) -> list[dict]:
 def _fields(build: dict) -> tuple:
     from ..paths import OneShotBuild
     b = OneShotBuild(**build)
-    return b.both_slices, b.prefetch_out, "" if b.expand_stages is None else b.expand_stages, b.clamp_ranks
+    return b.both_slices, b.prefetch_out, b.expand_stages or "", b.clamp_ranks

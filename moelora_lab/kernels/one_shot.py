@@ -11,10 +11,11 @@ tile (r > BLOCK_R) loop over rank tiles; every tile after the first adds its par
 the output rows this program owns, so any rank works and the fusion is kept (the output rows are
 re-read once per extra rank tile, never T).
 
-The expand walks N one tile at a time and each step needs two loads from HBM (the B tile and the
-output tile it adds to). The compiler does not pipeline that loop (it stores into what it loads),
-so the kernel does it by hand: the first tiles' loads are issued before the shrink, and every step
-issues the next tile's loads before it computes its own, so their latency hides behind the work.
+The expand walks N one tile at a time; each step loads a B tile and the output tile it adds to. The
+compiler pipelines the B tiles (they feed the dot, and their rank offsets are one contiguous run:
+``kernels.common.rank_tile``) but not the output tiles (the loop stores into what it loads), so each
+step loads the next step's output tile before it computes its own (``PREFETCH_OUT``).
+``python -m moelora_lab.bench expand`` times the kernel built each way.
 """
 import triton
 import triton.language as tl
