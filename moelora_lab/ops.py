@@ -32,9 +32,10 @@ def pack_lora_b(lora_b):
 
     The expand multiplies the rank tile by a [r, BLOCK_N] tile of B. In the usual layout (r fastest)
     that tile is BLOCK_N runs of r elements (32 bytes at r = 16, bf16); with N fastest it is r runs of
-    BLOCK_N elements, which HBM serves much better (H200, rank 16, bf16: the one-shot op 5-24% faster
-    at M = 16 .. 512). Every path and the layer accept either layout (the kernels take strides);
-    pack once, when the adapter is loaded.
+    BLOCK_N elements. Both are whole DRAM sectors, and since the kernels build their rank offsets as
+    one contiguous run the two layouts run at about the same speed (``bench expand``); before that the
+    rank-fastest tile was loaded 2 bytes at a time and packing paid. Every path and the layer accept
+    either layout (the kernels take strides).
     """
     if isinstance(lora_b, (list, tuple)):
         return type(lora_b)(pack_lora_b(b) for b in lora_b)

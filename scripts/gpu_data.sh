@@ -24,13 +24,14 @@ bench() { echo "== $(date +%T) bench $*"; $PY -m moelora_lab.bench "$@" --out "$
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 echo "code $MOELORA_CODE_VERSION"
-steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(registers align kernels layout eager layer priority side_path profiler in_k gemm tma tune dram tests)
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(registers align kernels layout expand eager layer priority side_path profiler in_k gemm tma tune dram tests)
 for step in "${steps[@]}"; do
   case "$step" in
     registers) bench registers ;;
     align)     bench align ;;
     kernels)   bench kernels --time-alignment ;;
     layout)    bench layout ;;
+    expand)    bench expand ;;
     eager)     bench eager ;;
     layer)     bench layer --max-seconds 240 ;;
     priority)  bench layer --ranks 16 64 --tokens 1 16 64 128 512 2048 --variants no_lora sequential dual_stream \
@@ -49,7 +50,7 @@ for step in "${steps[@]}"; do
         echo "# python -m pytest tests --gpu -q -p no:cacheprovider -n ${TEST_WORKERS:-8}"
         $PY -m pytest tests --gpu -q -p no:cacheprovider -n "${TEST_WORKERS:-8}" 2>&1; } > "$OUT/gpu_tests.log"
       tail -n 3 "$OUT/gpu_tests.log" ;;
-    *) echo "unknown step $step (steps: registers align kernels layout eager layer priority side_path profiler in_k gemm tma tune dram tests)"; exit 2 ;;
+    *) echo "unknown step $step (steps: registers align kernels layout expand eager layer priority side_path profiler in_k gemm tma tune dram tests)"; exit 2 ;;
   esac
 done
 echo "== $(date +%T) done"

@@ -1,0 +1,74 @@
+"""The one-shot kernel built each way (``bench expand``, ``one_shot_build.csv``): per case the time of
+every build against the kernel as it was, and which build the rule picks.
+
+Shape legend: M tokens, r rank; a case is (op, r, M, B layout).
+"""
+from __future__ import annotations
+
+from matplotlib.patches import Patch
+
+from ..dispatch import CONFIGS, one_shot_build_rule
+
+FONT = 9
+BUILD_STYLE = {     # variant: (colour, label); "before" is the reference every bar divides
+    "contiguous": ("#1f77b4", "contiguous rank offsets"),
+    "contiguous_unpipelined": ("#aec7e8", "contiguous, expand not pipelined"),
+    "prefetch": ("#2ca02c", "contiguous + next output tile prefetched"),
+    "prefetch_unpipelined": ("#98df8a", "prefetched, expand not pipelined"),
+    "both_slices": ("#d62728", "prefetched, both w13 slices per program"),
+}
+
+
+def rule_variant(rank: int) -> str:
+    """The variant of ``bench expand`` that is the build the rule launches at rank ``rank``
+    (``dispatch.one_shot_build_rule`` for the rule's rank tile; the sweep's ranks have one tile)."""
+    prefetch, stages = one_shot_build_rule(CONFIGS["prefill"].rank_tiling(rank)[0])
+    if stages is not None:
+        raise ValueError(f"rank: {rank} takes the unpipelined expand, which `bench expand` times only "
+                         "under its own name; pass a rank of at most 64")
+    return "prefetch" if prefetch else "contiguous"
+
+
+def build_speedups(rows) -> list[dict]:
+    """One dict per case of ``one_shot_build.csv``: op, rank, M, b_layout, ``before_us``, the
+    speed-up of every other build over "before" (keyed by variant), the rule's variant (``rule``) and
+    its time over the best build's (``rule_over_best``)."""
+    cases: dict = {}
+    for r in rows:
+        cases.setdefault((r["op"], r["rank"], r["M"], r["b_layout"]), {})[r["variant"]] = r["us_median"]
+    out = []
+    for (op, rank, M, layout), t in sorted(cases.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][3] != "r_fastest",
+                                                                            kv[0][2])):
+        if "before" not in t:
+            raise ValueError(f"rows: {op} r={rank} M={M} {layout} has no 'before' row to compare with")
+        rule = rule_variant(rank)
+        out.append(dict(op=op, rank=rank, M=M, b_layout=layout, before_us=t["before"], rule=rule,
+                        rule_over_best=t[rule] / min(t.values()),
+                        **{v: t["before"] / us for v, us in t.items() if v != "before"}))
+    return out
+
+
+def draw_build_speedups(ax, rows) -> list[dict]:
+    """Grouped bars: per case, every build's speed-up over the kernel as it was (1 = no change); the
+    rule's build is outlined. Returns the cases drawn (``build_speedups``)."""
+    cases = build_speedups(rows)
+    names = [v for v in BUILD_STYLE if any(v in c for c in cases)]
+    width = 0.8 / len(names)
+    for i, v in enumerate(names):
+        colour, label = BUILD_STYLE[v]
+        for x, c in enumerate(cases):
+            if v in c:
+                ax.bar(x - 0.4 + (i + 0.5) * width, c[v], width, color=colour,
+                       edgecolor="black" if c["rule"] == v else "none", linewidth=1.2)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(cases)))
+    ax.set_xticklabels([f"{c['op']}\nr{c['rank']}\n{c['M']}" + ("\npacked" if c["b_layout"] == "n_fastest" else "")
+                        for c in cases], fontsize=FONT - 1)
+    ax.set_xlabel("op, rank, M (B as given unless packed)", fontsize=FONT)
+    ax.set_ylabel("speed-up over the kernel as it was", fontsize=FONT)
+    ax.set_ylim(min(0.7, min(c[v] for c in cases for v in names if v in c) - 0.05), None)
+    ax.tick_params(labelsize=FONT)
+    ax.legend(handles=[Patch(color=BUILD_STYLE[v][0], label=BUILD_STYLE[v][1]) for v in names], fontsize=FONT,
+              loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3, frameon=False)
+    ax.set_title("One-shot builds (outlined: the one the rule launches)", fontsize=FONT + 1)
+    return cases
