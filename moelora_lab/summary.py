@@ -131,7 +131,7 @@ def _layer_section(layer) -> list[str]:
                           if (rank, m, a) in t and (rank, m, b) in t else "")
 
     out = ["", "The layer (`python -m moelora_lab.bench layer`, qwen3-30b-a3b, bf16, 4 adapters, routing plan built",
-           "outside the timed region; `layer.csv`):", "",
+           f"outside the timed region; `layer.csv`, code {layer[0]['code']}):", "",
            "| M | " + " | ".join(str(m) for m in ms) + " |", "|---|" + "---|" * len(ms),
            line("no LoRA [µs]", lambda m: f"{t[16, m, 'no_lora']['us_median']:.1f}")]
     for rank in ranks:
@@ -167,8 +167,10 @@ def measured_markdown(data_dir=results.DATA_DIR) -> str:
     align = results.load("align", data_dir)
     vllm = results.read_csv(results.DATA_DIR / "vllm_reference.csv")     # vLLM's code: no stamp of ours
     head = kernels[0]
+    codes = f"code {head['code']}" if head["code"] == layer[0]["code"] else \
+        f"the op's sweep at code {head['code']}, the layer's at code {layer[0]['code']}"
     out = [f"Measured on one {head['gpu']} (bf16, 4 adapters, torch {head['torch']}, triton {head['triton']}, "
-           f"{head['date']}, code {head['code']}; files under `moelora_lab/data/h200/`).", ""]
+           f"{head['date']}, {codes}; files under `moelora_lab/data/h200/`).", ""]
     op = _op_section(kernels, vllm, align)
     if (Path(data_dir) / "lora_dram.csv").exists():
         op.append(_dram_line(results.load("lora_dram", data_dir)))
