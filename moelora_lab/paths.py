@@ -23,6 +23,7 @@ from .kernels.one_shot import one_shot_kernel
 from .kernels.small_batch import small_batch_kernel
 from .kernels.two_kernel import expand_kernel, shrink_kernel
 from .reference import moe_lora_reference
+from .validate import check_int
 
 
 class LoRACall(NamedTuple):
@@ -141,6 +142,15 @@ class OneShotBuild:
     prefetch_out: bool | None = None
     expand_stages: int | None = None
     clamp_ranks: bool = False
+
+    def __post_init__(self):
+        for name, none_ok in (("both_slices", False), ("prefetch_out", True), ("clamp_ranks", False)):
+            value = getattr(self, name)
+            if not (isinstance(value, bool) or (none_ok and value is None)):
+                raise TypeError(f"one_shot_build: {name} must be True or False{' or None (the rule)' if none_ok else ''}, "
+                                f"got {value!r}")
+        if self.expand_stages is not None:
+            check_int("one_shot_build: expand_stages", self.expand_stages, low=0)
 
 
 ONE_SHOT_BUILD = OneShotBuild()

@@ -69,6 +69,43 @@ def test_every_path_of_the_table_runs(device, name):
     assert_close(out, ml.moe_lora_reference(**p.w13_lora_inputs()), torch.float32)
 
 
+@pytest.mark.parametrize("build", [dict(both_slices=True), dict(prefetch_out=True, expand_stages=1),
+                                   dict(clamp_ranks=True, prefetch_out=False), dict(prefetch_out=False, expand_stages=0)])
+def test_every_one_shot_build_computes_the_reference(device, build):
+    """Each way of building the one-shot kernel (``paths.one_shot_build``) gives the reference's answer into a
+    poisoned output (and leaves the rows of tokens without an adapter alone), on both ops (w2: one slice, so both_slices changes nothing there), with a rank that is not a
+    power of two, and the build is restored afterwards."""
+    p = lora_case(7, device=device, seed=3, rank=12, no_adapter_fraction=0.3)
+    h = torch.randn(p.topk_ids.numel(), p.w2_lora_a[0].shape[-1], generator=torch.Generator().manual_seed(1))
+    w2 = dict(x=h.to(device), topk_ids=p.topk_ids, topk_weights=p.topk_weights, token_lora=p.token_lora,
+              lora_a=p.w2_lora_a, lora_b=p.w2_lora_b, mul_routed_weight=True)
+    for inputs in (p.w13_lora_inputs(), w2):
+        want = ml.moe_lora_reference(**inputs)
+        with paths.one_shot_build(**build):
+            got = ml.moe_lora(**inputs, path="one_shot", output=torch.full_like(want, float("nan")), add_inputs=False)
+        owned = p.token_lora >= 0                    # rows of tokens without an adapter are left as they were
+        assert bool(owned.any()) and bool((~owned).any()) and bool(got[~owned].isnan().all())
+        assert_close(got[owned], want[owned], torch.float32)
+    assert paths.ONE_SHOT_BUILD == paths.OneShotBuild()
+
+
+def test_one_shot_build_refuses_what_it_cannot_build():
+    with pytest.raises(TypeError, match="one_shot_build: .*unexpected keyword argument 'stages'.*the fields are "
+                                        "both_slices, prefetch_out, expand_stages, clamp_ranks"):
+        with paths.one_shot_build(stages=2):
+            pass
+    with pytest.raises(TypeError, match="one_shot_build: both_slices must be True or False, got 1"):
+        with paths.one_shot_build(both_slices=1):
+            pass
+    with pytest.raises(ValueError, match="expand_stages"):
+        with paths.one_shot_build(expand_stages=-1):
+            pass
+    with pytest.raises(RuntimeError):              # an error inside the block still restores the build
+        with paths.one_shot_build(prefetch_out=False):
+            raise RuntimeError
+    assert paths.ONE_SHOT_BUILD == paths.OneShotBuild()
+
+
 def test_auto_picks_by_the_real_ranks_given_on_the_cpu():
     from moelora_lab.dispatch import choice_rank
     assert choice_rank(128, None) == 128
