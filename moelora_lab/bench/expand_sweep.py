@@ -8,12 +8,14 @@ Shape legend: M tokens, E experts, k top-k, L adapters, r rank, K in, N out, S s
 """
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import torch
 
 from ..config import MoEShape, random_lora_weights
 from ..dispatch import choose_config
 from ..ops import moe_lora, pack_lora_b
-from ..paths import one_shot_build
+from ..paths import OneShotBuild, one_shot_build
 from ..profile import timing
 from ..profile.traffic import count_workload, lora_op_traffic
 from ..reference import moe_lora_reference
@@ -88,8 +90,7 @@ def run(args) -> list[dict]:
                 if not isinstance(t, timing.Timing):
                     raise t
                 rows.append(dict(preset=shape.name, op=op, M=M, rank=rank, loras=L, dtype=args.dtype, b_layout=layout,
-                                 variant=name, **{f: v for f, v in zip(("both_slices", "prefetch_out", "expand_stages",
-                                                                          "clamp_ranks"), _fields(VARIANTS[name][0]))},
+                                 variant=name, **_fields(VARIANTS[name][0]),
                                  block_m=cfg.block_m, block_n=cfg.block_n, n_chunks=cfg.n_chunks,
                                  num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                  us_median=round(t.median_us, 2), us_p20=round(t.p20_us, 2), us_p80=round(t.p80_us, 2),
@@ -101,7 +102,7 @@ def run(args) -> list[dict]:
     return rows
 
 
-def _fields(build: dict) -> tuple:
-    from ..paths import OneShotBuild
-    b = OneShotBuild(**build)
-    return b.both_slices, b.prefetch_out, b.expand_stages or "", b.clamp_ranks
+def _fields(build: dict) -> dict:
+    """The build's every field, as the CSV records it (expand_stages empty for the tile's num_stages)."""
+    b = asdict(OneShotBuild(**build))
+    return dict(b, expand_stages=b["expand_stages"] or "")

@@ -48,6 +48,13 @@ def _shrink(x_base, valid, a0_ptr, a1_ptr, offs_r, r_ok, K, stride_xk, stride_ar
 
 
 @triton.jit
+def _load_out(out_base, ns, n_hi, valid, read_out, stride_on):
+    """The output tile at columns ``ns`` ([BM, BN]): zeros unless ``read_out``; past n_hi nothing is read."""
+    return tl.load(out_base + ns[None, :] * stride_on, mask=valid[:, None] & (ns < n_hi)[None, :] & read_out,
+                   other=0.0)
+
+
+@triton.jit
 def _expand(t, b_ptr, out_base, weight, n_lo, n_hi, offs_r, r_ok, valid, read_out, stride_bn, stride_br, stride_on,
             BLOCK_N: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
             PREFETCH_OUT: tl.constexpr, EXPAND_STAGES: tl.constexpr):
@@ -56,25 +63,23 @@ def _expand(t, b_ptr, out_base, weight, n_lo, n_hi, offs_r, r_ok, valid, read_ou
     tiles (it stores into what it loads): with PREFETCH_OUT every step loads the next step's output
     tile before it computes its own, so that load's latency hides behind the step."""
     offs_n = tl.arange(0, BLOCK_N)
-    ns = n_lo + offs_n
-    prev = tl.load(out_base + ns[None, :] * stride_on, mask=valid[:, None] & (ns < n_hi)[None, :] & read_out,
-                   other=0.0)
+    if PREFETCH_OUT:
+        prev = _load_out(out_base, n_lo + offs_n, n_hi, valid, read_out, stride_on)
     for n0 in tl.range(n_lo, n_hi, BLOCK_N, num_stages=EXPAND_STAGES):
         ns = n0 + offs_n
         n_ok = ns < n_hi
-        out = out_base + ns[None, :] * stride_on
-        if PREFETCH_OUT:    # past n_hi every lane is masked: nothing is read
-            prev_next = tl.load(out + BLOCK_N * stride_on, mask=valid[:, None] & (ns + BLOCK_N < n_hi)[None, :]
-                                & read_out, other=0.0)
+        if PREFETCH_OUT:
+            prev_next = _load_out(out_base, ns + BLOCK_N, n_hi, valid, read_out, stride_on)
         else:
-            prev = tl.load(out, mask=valid[:, None] & n_ok[None, :] & read_out, other=0.0)
+            prev = _load_out(out_base, ns, n_hi, valid, read_out, stride_on)
         bt = tl.load(b_ptr + ns[None, :] * stride_bn + offs_r[:, None] * stride_br,
                      mask=n_ok[None, :] & r_ok[:, None], other=0.0)                        # [BR, BN]
         acc = tl.dot(t, bt, input_precision=DOT_PRECISION)                                # [BM, BN] fp32
         if MUL_ROUTED_WEIGHT:
             acc = acc * weight[:, None]
         acc += prev.to(tl.float32)
-        tl.store(out, acc.to(out_base.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+        tl.store(out_base + ns[None, :] * stride_on, acc.to(out_base.dtype.element_ty),
+                 mask=valid[:, None] & n_ok[None, :])
         if PREFETCH_OUT:
             prev = prev_next
 
