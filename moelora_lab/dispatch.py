@@ -118,15 +118,34 @@ def num_sms(device: torch.device) -> int:
 # * one-shot at r 16 with more than 48 pairs per group keeps 32-pair blocks on 4 warps instead of 64-pair
 #   blocks on 2: 1.03-1.15x in all four cells. With those tiles one-shot beat two kernels on wide outputs at
 #   r 16 from 12288 pairs (1.03-1.12x), so two kernels stop at ``LOW_WIDE_MAX_PAIRS`` pairs below r 64.
-TWO_KERNEL_MIN_RANK = 64
-TWO_KERNEL_MIN_PAIRS = 32
+# Re-derived after the one-shot kernel's expand was made contiguous and pipelined (``one_shot_build_rule``),
+# from the path sweep at that code (data/h200/kernels.csv before this change, in data/history) and a probe of
+# the one-shot kernel's N chunks at r 64 and 128 (M 1..2048, both presets, both ops, every variant of a case
+# in interleaved rounds, two kernels beside them):
+# * one rank tile of at most 64 (r <= 64): one-shot won every cell of both sweeps by 3-37% once its chunks
+#   followed ``WIDE_RANK_PROGRAMS_PER_SM``, but one (deepseek's w2, r 64, 12288 pairs: two kernels 1.10x), so
+#   two kernels no longer run below ``TWO_KERNEL_MIN_RANK``;
+# * one rank tile of 128 (r 65..128): two kernels won at 48-256 pairs in seven of eight cells (1.03-1.5x; qwen's
+#   gate/up at 64 pairs ran one-shot 1.04x faster), while at 6-8 pairs one-shot was level or 1.10x faster, at
+#   768-1024 pairs one-shot won (1.02-1.06x) and at 3072-4096 pairs they were level (0.94-1.03x): two kernels
+#   from ``TWO_KERNEL_MIN_PAIRS`` to ``ONE_TILE_TWO_KERNEL_MAX_PAIRS``;
+# * the chunks: a one-shot program recomputes its shrink, reading a whole [r, K] slice of A, in every N chunk, so
+#   a rank tile wider than ``NARROW_RANK`` splits N only until there are ``WIDE_RANK_PROGRAMS_PER_SM`` programs
+#   per SM (not ``PROGRAMS_PER_SM``) and 16-pair blocks keep every column (no ``MAX_EXPAND_COLUMNS`` cap): of
+#   the 48 cells at r 64 and 128, 22 whose chunks changed were timed with the new count, 0.71-0.98x the time
+#   of the old one in 21 and 1.03x in one (qwen's w2, r 128, 256 pairs); 6 changed cells (M = 8: 3, 4 or 6
+#   chunks) were not timed with the new count, 2 of the tried counts around it beat the old one in all 6.
+# * two or more rank tiles (r > 128): two kernels from one pair to ``TWO_KERNEL_MAX_PAIRS`` (1.05-2x), and for
+#   outputs of at least ``VERY_WIDE_COLUMNS`` per slice up to ``WIDE_MAX_PAIRS`` (deepseek's w2 at 12288 pairs:
+#   1.15x; qwen's w2 at 16384: one-shot 1.10x).
+TWO_KERNEL_MIN_RANK = 65
+TWO_KERNEL_MIN_PAIRS = 9
+ONE_TILE_TWO_KERNEL_MAX_PAIRS = 512
 TWO_KERNEL_MAX_PAIRS = 4096
-WIDE_MIN_PAIRS = 128
-NARROW_TWO_KERNEL_MAX_PAIRS = 2048
-WIDE_MAX_PAIRS = 16384
-LOW_WIDE_MAX_PAIRS = 8192   # below r 64 (one-shot's 32-pair blocks on 4 warps caught up by 12288 pairs)
+WIDE_MAX_PAIRS = 12288
 VERY_WIDE_COLUMNS = 2048
 PROGRAMS_PER_SM = 4
+WIDE_RANK_PROGRAMS_PER_SM = 2   # one-shot with a rank tile wider than NARROW_RANK
 NARROW_RANK = 16            # rank tiles up to this wide: 2 warps, BLOCK_K 128 (measured at r 16 only)
 MID_RANK = 64               # wider rank tiles up to this wide, many pairs per group: BLOCK_K 128 (two kernels:
                             # and 2 stages); measured at r 64 only
@@ -151,24 +170,17 @@ def one_shot_build_rule(block_r: int) -> tuple[bool, int | None]:
 
 
 def choose_path(num_pairs: int, num_experts: int, num_loras: int, rank: int, n_out: int | None = None) -> str:
-    """The ``auto`` rule (see the measurements above): one-shot, except
-    * r >= 64 with 32..4096 pairs (r >= 128: 1..4096 pairs; r < 128 and an output of at most
-      ``MAX_EXPAND_COLUMNS`` per slice: 32..2048), where the two-kernel path's wider grid wins;
-    * an output wider than ``MAX_EXPAND_COLUMNS`` per slice (``n_out``, N; None: unknown) at r < 128,
-      or at least ``VERY_WIDE_COLUMNS`` at r > 128, with 128..16384 pairs, where one-shot programs walk
-      too many N tiles each (r < 64: up to ``LOW_WIDE_MAX_PAIRS``);
-    * r > 128 and an output of at most ``MAX_EXPAND_COLUMNS`` per slice, up to 16384 pairs."""
-    low = rank < 2 * TWO_KERNEL_MIN_RANK
-    narrow = n_out is not None and n_out <= MAX_EXPAND_COLUMNS
-    min_pairs = TWO_KERNEL_MIN_PAIRS if low else 1
-    max_pairs = NARROW_TWO_KERNEL_MAX_PAIRS if low and narrow else TWO_KERNEL_MAX_PAIRS
-    if rank >= TWO_KERNEL_MIN_RANK and min_pairs <= num_pairs <= max_pairs:
-        return "two_kernel"
-    wide = n_out is not None and (not narrow if low else rank > 2 * TWO_KERNEL_MIN_RANK
-                                  and (narrow or n_out >= VERY_WIDE_COLUMNS))
-    if wide and WIDE_MIN_PAIRS <= num_pairs <= (WIDE_MAX_PAIRS if rank >= TWO_KERNEL_MIN_RANK else LOW_WIDE_MAX_PAIRS):
-        return "two_kernel"
-    return "one_shot"
+    """The ``auto`` rule (see the measurements above): one-shot, except two kernels
+    * at one rank tile of 128 (``TWO_KERNEL_MIN_RANK`` <= r <= 128) from ``TWO_KERNEL_MIN_PAIRS`` to
+      ``ONE_TILE_TWO_KERNEL_MAX_PAIRS`` pairs;
+    * past r 128 up to ``TWO_KERNEL_MAX_PAIRS`` pairs, and up to ``WIDE_MAX_PAIRS`` for an output of at
+      least ``VERY_WIDE_COLUMNS`` per slice (``n_out``, N; None: unknown)."""
+    if rank < TWO_KERNEL_MIN_RANK:
+        return "one_shot"
+    if rank <= 2 * 64:
+        return "two_kernel" if TWO_KERNEL_MIN_PAIRS <= num_pairs <= ONE_TILE_TWO_KERNEL_MAX_PAIRS else "one_shot"
+    wide = n_out is not None and n_out >= VERY_WIDE_COLUMNS
+    return "two_kernel" if num_pairs <= (WIDE_MAX_PAIRS if wide else TWO_KERNEL_MAX_PAIRS) else "one_shot"
 
 
 # Refined for the two-stream layer, where the LoRA runs on a side stream beside the base GEMMs (H200, bf16,
@@ -183,15 +195,18 @@ def choose_path(num_pairs: int, num_experts: int, num_loras: int, rank: int, n_o
 # fill the SMs when the op runs alone); beside the base GEMMs those programs queue for the same SMs.
 SIDE_TWO_KERNEL_MIN_PAIRS = 17      # below r 64 (measured at r 16)
 SIDE_TWO_KERNEL_MAX_PAIRS = 192
-SIDE_WIDE_RANK_MIN_PAIRS = 12       # r 64 .. 127 (measured at r 64; from r 128 choose_path takes two kernels)
+SIDE_WIDE_RANK = 64                 # from this rank (measured at r 64) ...
+SIDE_WIDE_RANK_MIN_PAIRS = 12       # ... two kernels from 12 pairs
+SIDE_WIDE_RANK_MAX_PAIRS = 512      # ... up to the largest case measured beside the base GEMMs (64 tokens)
 
 
 def choose_side_path(num_pairs: int, num_experts: int, num_loras: int, rank: int, n_out: int | None = None) -> str:
     """The ``auto`` rule for the LoRA on the side stream of the two-stream layer: :func:`choose_path`,
     except two kernels from ``SIDE_TWO_KERNEL_MIN_PAIRS`` to ``SIDE_TWO_KERNEL_MAX_PAIRS`` pairs below
-    r 64 and from ``SIDE_WIDE_RANK_MIN_PAIRS`` pairs at r 64 (see the measurements above)."""
-    if rank >= TWO_KERNEL_MIN_RANK:
-        if SIDE_WIDE_RANK_MIN_PAIRS <= num_pairs < TWO_KERNEL_MIN_PAIRS:
+    r 64 and from ``SIDE_WIDE_RANK_MIN_PAIRS`` to ``SIDE_WIDE_RANK_MAX_PAIRS`` pairs from r 64 (see the
+    measurements above)."""
+    if rank >= SIDE_WIDE_RANK:
+        if SIDE_WIDE_RANK_MIN_PAIRS <= num_pairs <= SIDE_WIDE_RANK_MAX_PAIRS:
             return "two_kernel"
     elif rank > 0 and SIDE_TWO_KERNEL_MIN_PAIRS <= num_pairs <= SIDE_TWO_KERNEL_MAX_PAIRS:
         return "two_kernel"
@@ -225,7 +240,8 @@ def gpu_config(path: str, num_pairs: int, num_groups: int, n_out: int, num_slice
     narrow = tile is not None and tile <= NARROW_RANK
     block_m = 16 if per_group <= 24 else (32 if per_group <= 48 or (narrow and path == "one_shot") else 64)
     blocks = max(1, num_pairs // block_m + min(num_groups, num_pairs))
-    target = PROGRAMS_PER_SM * sms
+    wide_shrink = path == "one_shot" and tile is not None and tile > NARROW_RANK   # each chunk re-reads A
+    target = (WIDE_RANK_PROGRAMS_PER_SM if wide_shrink else PROGRAMS_PER_SM) * sms
     block_n, n_chunks = 128, 1
     want = -(-target // (blocks * num_slices))
     if path in ("one_shot", "small_batch"):
@@ -234,7 +250,7 @@ def gpu_config(path: str, num_pairs: int, num_groups: int, n_out: int, num_slice
             if want > tiles128:                              # more chunks than 128-wide tiles: go narrower
                 block_n = 64
             n_chunks = min(want, -(-n_out // block_n))
-        if block_m == 16:
+        if block_m == 16 and not wide_shrink:
             n_chunks = max(n_chunks, -(-n_out // MAX_EXPAND_COLUMNS))
     cfg = base.replace(block_m=block_m, block_n=block_n, n_chunks=n_chunks)
     if narrow and path == "one_shot":

@@ -146,31 +146,24 @@ def test_shared_alignment_and_naive_blocks(device):
 
 def test_auto_uses_the_documented_rule(device):
     from moelora_lab.dispatch import choose_path
-    assert choose_path(num_pairs=8, num_experts=128, num_loras=4, rank=16) == "one_shot"
-    assert choose_path(num_pairs=8, num_experts=128, num_loras=4, rank=64) == "one_shot"
-    assert choose_path(num_pairs=64, num_experts=128, num_loras=4, rank=64) == "two_kernel"
-    assert choose_path(num_pairs=8, num_experts=128, num_loras=4, rank=128) == "two_kernel"
-    assert choose_path(num_pairs=4096, num_experts=128, num_loras=4, rank=256) == "two_kernel"
-    assert choose_path(num_pairs=4097, num_experts=128, num_loras=4, rank=256) == "one_shot"
-    # r < 128 with outputs of at most MAX_EXPAND_COLUMNS per slice: two kernels up to 2048 pairs only
-    narrow = dict(num_experts=128, num_loras=4, n_out=768)
-    assert choose_path(num_pairs=2048, rank=64, **narrow) == "two_kernel"
-    assert choose_path(num_pairs=2049, rank=64, **narrow) == "one_shot"
-    assert choose_path(num_pairs=4096, rank=128, **narrow) == "two_kernel"
-    assert choose_path(num_pairs=4096, rank=64, num_experts=128, num_loras=4) == "two_kernel"   # N unknown
-    # outputs wider than MAX_EXPAND_COLUMNS per slice: two kernels at r < 128 from 128 to 16384 pairs
-    wide = dict(num_experts=128, num_loras=4, n_out=2048)
-    assert choose_path(num_pairs=127, rank=16, **wide) == "one_shot"
-    assert choose_path(num_pairs=128, rank=16, **wide) == "two_kernel"
-    assert choose_path(num_pairs=16384, rank=64, **wide) == "two_kernel"
-    assert choose_path(num_pairs=16385, rank=16, **wide) == "one_shot"
-    assert choose_path(num_pairs=8192, rank=128, **wide) == "one_shot"
-    # past r 128 only outputs of at least VERY_WIDE_COLUMNS per slice
-    assert choose_path(num_pairs=16384, rank=256, **wide) == "two_kernel"
-    assert choose_path(num_pairs=16385, rank=256, **wide) == "one_shot"
-    assert choose_path(num_pairs=16384, rank=256, num_experts=64, num_loras=4, n_out=1408) == "one_shot"
-    assert choose_path(num_pairs=8192, rank=16, num_experts=128, num_loras=4, n_out=1024) == "one_shot"
-    assert choose_path(num_pairs=8192, rank=16, num_experts=128, num_loras=4) == "one_shot"    # N unknown
+    e = dict(num_experts=128, num_loras=4)
+    # up to r 64 (one rank tile of at most 64): one-shot at every size and width
+    for pairs in (1, 8, 64, 512, 4096, 16384, 65536):
+        for n_out in (None, 768, 2048):
+            assert choose_path(num_pairs=pairs, rank=16, n_out=n_out, **e) == "one_shot"
+            assert choose_path(num_pairs=pairs, rank=64, n_out=n_out, **e) == "one_shot"
+    # one rank tile of 128: two kernels from 9 to 512 pairs
+    assert choose_path(num_pairs=8, rank=128, **e) == "one_shot"
+    assert choose_path(num_pairs=9, rank=128, **e) == "two_kernel"
+    assert choose_path(num_pairs=512, rank=96, n_out=2048, **e) == "two_kernel"
+    assert choose_path(num_pairs=513, rank=128, **e) == "one_shot"
+    # past r 128: two kernels up to 4096 pairs, up to 12288 for outputs of at least 2048 per slice
+    assert choose_path(num_pairs=1, rank=256, **e) == "two_kernel"
+    assert choose_path(num_pairs=4096, rank=256, n_out=1408, **e) == "two_kernel"
+    assert choose_path(num_pairs=4097, rank=256, n_out=1408, **e) == "one_shot"
+    assert choose_path(num_pairs=4097, rank=256, **e) == "one_shot"                  # N unknown
+    assert choose_path(num_pairs=12288, rank=256, n_out=2048, **e) == "two_kernel"
+    assert choose_path(num_pairs=12289, rank=256, n_out=2048, **e) == "one_shot"
     p = lora_case(40, device=device, seed=8)
     ref = ml.moe_lora_reference(**p.w13_lora_inputs())
     assert_close(moe_lora(**p.w13_lora_inputs()), ref, torch.float32)
@@ -283,5 +276,10 @@ def test_gpu_tile_rule_for_narrow_ranks():
     for n_out in (768, 2048, 5000):
         cfg = gpu_config("one_shot", 4096, 512, n_out, 1, 132, rank=16)
         assert cfg.block_m == 16 and cfg.n_chunks >= -(-n_out // MAX_EXPAND_COLUMNS)
+    # a wider rank tile re-reads more of A per chunk: chunks for ~2 programs per SM, no column cap
+    for rank, chunks in ((16, 2), (32, 1), (64, 1), (128, 1)):
+        assert gpu_config("one_shot", 4096, 512, 2048, 1, 132, rank=rank).n_chunks == chunks, rank
+    assert gpu_config("one_shot", 64, 64, 2048, 1, 132, rank=64).n_chunks == 4       # 66 blocks: 264 / 66
+    assert gpu_config("one_shot", 64, 64, 2048, 1, 132, rank=16).n_chunks == 8       # 528 / 66
     prefill = gpu_config("one_shot", 16384, 512, 2048, 1, 132, rank=16)
     assert (prefill.block_m, prefill.block_k, prefill.n_chunks) == (32, 128, 1)
