@@ -92,22 +92,10 @@ def num_sms(device: torch.device) -> int:
 #   in a second chunk is cheap;
 # * 32-pair blocks stream K in 128-wide steps at rank 16 (64 was 20% slower on w2 at M = 2048).
 # A second walk at r 16 started from this rule found at most 1.13x around it.
-# Refined by a path probe at r 16, 64 and 256 (one-shot at 1..8 chunks, two-kernel at 2 and 4 warps; the
-# evidence that stays is data/h200/kernels.csv, where ``auto`` is timed next to every path):
-# * outputs wider than ``MAX_EXPAND_COLUMNS`` per slice (w2's N = H = 2048, deepseek's gate/up N = 1408)
-#   go to the two-kernel path from ``WIDE_MIN_PAIRS`` up to ``WIDE_MAX_PAIRS`` pairs at r < 128: a one-shot
-#   program walks every N tile of its block after its shrink, and below ~8 blocks per SM those long
-#   programs leave SMs idle, while the expand grid (blocks x N tiles) fills them (1.1-1.4x at r 16-64);
-#   at r 128 one rank tile makes the fused program short enough to win, and past 16384 pairs there
-#   are enough blocks;
-# * past r 128 (two rank tiles in every one-shot program) the same holds again for outputs at least
-#   ``VERY_WIDE_COLUMNS`` per slice (w2's N = 2048): two kernels up to ``WIDE_MAX_PAIRS`` pairs, 1.11x at
-#   r 256 and 16384 pairs on both presets, while deepseek's gate/up (1408 per slice) ran 1.10x faster on
-#   one-shot there; and for outputs of at most ``MAX_EXPAND_COLUMNS`` (qwen's gate/up, 768 per slice: two
-#   kernels 1.05x faster at r 256 and 16384 pairs);
-# * at r 64 with outputs of at most ``MAX_EXPAND_COLUMNS`` per slice (qwen's gate/up, 768), one-shot had
-#   caught up by 4096 pairs (1.04x faster; two kernels were 1.13x faster at 1024): two kernels only up to
-#   ``NARROW_TWO_KERNEL_MAX_PAIRS`` pairs there;
+# Refined by a path probe at r 16, 64 and 256 (one-shot at 1..8 chunks, two-kernel at 2 and 4 warps), for the
+# one-shot kernel before its expand change. Its path windows (outputs wider than ``MAX_EXPAND_COLUMNS`` per slice
+# to two kernels at r < 128 from 128 to 16384 pairs, narrower ones at r 64 up to 2048) are superseded by the
+# re-derivation at the end; of it stays:
 # * the two-kernel path runs 2 warps when its blocks are at most 32 pairs and its rank tile at most 64
 #   wide (up to 9% faster at r 16; level at r 64); 4 warps for 64-pair blocks or wider rank tiles.
 # Refined at M = 2048 and 8192 (both presets, both ops, r 16 and 64, candidate tiles timed against the rule in
@@ -117,10 +105,10 @@ def num_sms(device: torch.device) -> int:
 #   gate/up at M = 2048, where auto runs one-shot);
 # * one-shot at r 16 with more than 48 pairs per group keeps 32-pair blocks on 4 warps instead of 64-pair
 #   blocks on 2: 1.03-1.15x in all four cells. With those tiles one-shot beat two kernels on wide outputs at
-#   r 16 from 12288 pairs (1.03-1.12x), so two kernels stop at ``LOW_WIDE_MAX_PAIRS`` pairs below r 64.
+#   r 16 from 12288 pairs (1.03-1.12x), so two kernels stopped at 8192 pairs below r 64 (superseded below).
 # Re-derived after the one-shot kernel's expand was made contiguous and pipelined (``one_shot_build_rule``),
-# from the path sweep at that code (data/h200/kernels.csv before this change, in data/history) and a probe of
-# the one-shot kernel's N chunks at r 64 and 128 (M 1..2048, both presets, both ops, every variant of a case
+# from the path sweep at that code (data/history/kernels_8e7be5f134.csv) and a probe of the one-shot kernel's N
+# chunks (data/history/one_shot_chunks_337726be8a.csv) at r 64 and 128 (M 1..2048, both presets, both ops, every variant of a case
 # in interleaved rounds, two kernels beside them):
 # * one rank tile of at most 64 (r <= 64): one-shot won every cell of both sweeps by 3-37% once its chunks
 #   followed ``WIDE_RANK_PROGRAMS_PER_SM``, but one (deepseek's w2, r 64, 12288 pairs: two kernels 1.10x), so

@@ -22,7 +22,7 @@ def stream_schedule(ops):
 
 # 04.window: one bus for both kernels: (base + LoRA bytes) at the copy rate measured with the data (4.25 TB/s)
 _qwen = MoEShape.from_name("qwen3-30b-a3b")
-_stages = layer_traffic(_qwen, 64, sweep_workload(_qwen, 128), lora_path="two_kernel")
+_stages = layer_traffic(_qwen, 64, sweep_workload(_qwen, 128), lora_path="one_shot")
 window_guess = (_stages["base_w13"].bytes + _stages["lora_w13"].bytes) / 4.25e12 * 1e6
 
 # 04.hidden: section 5's table at M = 2048, rank 16: (base + LoRA alone - window) of both pairs over the LoRA alone

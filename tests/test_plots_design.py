@@ -121,12 +121,12 @@ def test_lora_rule_table():
 
 
 def test_path_choice_table():
-    t = path_choice_table(tune_rows())
+    t = path_choice_table(tune_rows(rank=128))
     assert len(t) == 1
     r = t[0]
     assert (r["one_shot_us"], r["two_kernel_us"]) == (24.0, 33.0)
-    # w2's output (N = H = 2048) is wide: from 128 pairs the rule runs two kernels, here the slower path
-    assert r["auto"] == choose_path(16 * QWEN.top_k, QWEN.num_experts, 4, 16, QWEN.hidden) == "two_kernel"
+    # one rank tile of 128 with 128 pairs: the rule runs two kernels, here the slower path
+    assert r["auto"] == choose_path(16 * QWEN.top_k, QWEN.num_experts, 4, 128, QWEN.hidden) == "two_kernel"
     assert r["auto_over_best"] == pytest.approx(33.0 / 24.0)
     [narrow] = path_choice_table(tune_rows(op="w13"))
     assert narrow["auto"] == choose_path(16 * QWEN.top_k, QWEN.num_experts, 4, 16, QWEN.intermediate) == "one_shot"

@@ -145,8 +145,9 @@ def test_auto_path_is_the_current_rule():
     for M, rank in ((1, 16), (1, 128), (4, 64), (32, 16), (32, 128), (512, 64), (8192, 256)):
         assert auto_path(QWEN, "w13", M, rank, 4) == choose_path(M * 8, 128, 4, rank, 768)
         assert auto_path(QWEN, "w2", M, rank, 4) == choose_path(M * 8, 128, 4, rank, 2048)
-    assert auto_path(QWEN, "w2", 32, 16, 4) == "two_kernel"          # N = H = 2048: wide, 256 pairs
+    assert auto_path(QWEN, "w2", 32, 16, 4) == "one_shot"            # r 16: one-shot at any width
     assert auto_path(QWEN, "w13", 32, 128, 4) == "two_kernel"
+    assert auto_path(QWEN, "w2", 1, 256, 4) == "two_kernel"           # past r 128 from one pair
     assert auto_path(QWEN, "w2", 8192, 256, 4) == "one_shot"          # 65536 pairs: past the two-kernel range
     assert auto_path("deepseek-v2-lite", "w13", 32, 64, 4) == choose_path(32 * 6, 64, 4, 64)
 

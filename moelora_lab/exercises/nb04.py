@@ -46,7 +46,7 @@ def _grade_window(guess) -> Result:
 
 
 WINDOW_STUB = '''\
-# qwen3-30b-a3b, M = 128 tokens, rank 64 (the two-kernel path), bf16, the benchmark's routing.
+# qwen3-30b-a3b, M = 128 tokens, rank 64 (the one-shot path), bf16, the benchmark's routing.
 # How long, in µs, does the pair base_w13 || lora_w13 take on two streams on the H200, from the first
 # start to the last end? Bytes: moelora_lab.profile.traffic.layer_traffic (stages "base_w13", "lora_w13");
 # copy rate: layer_rows[0]["copy_tbps"] TB/s. Write your number, then run the check.
@@ -233,7 +233,7 @@ register(
              "window_guess", WINDOW_STUB, _grade_window,
              hint="Both kernels are memory-bound and share one HBM. With "
                   "`qwen = MoEShape.from_name(\"qwen3-30b-a3b\")` and "
-                  "`st = layer_traffic(qwen, 64, sweep_workload(qwen, 128), lora_path=\"two_kernel\")`, add "
+                  "`st = layer_traffic(qwen, 64, sweep_workload(qwen, 128), lora_path=\"one_shot\")`, add "
                   "`st[\"base_w13\"].bytes` and `st[\"lora_w13\"].bytes` and divide by the copy rate in bytes per "
                   "second (`copy_tbps * 1e12`); times `1e6` for µs."),
     Exercise("04.hidden", "04_stream_overlap", "predict", "how much LoRA time two streams hide at M = 2048",

@@ -89,11 +89,10 @@ def choose_schedule(case):
 register(
     Exercise("06.dispatcher", "06_capstone", "code", "a LoRA path dispatcher, scored by regret",
              "choose_path", DISPATCHER_STUB, _grade_dispatcher,
-             hint="Read the map above: the two-kernel path wins where the rank is wide (64 and up) and the pairs "
-                  "are moderate, from a single pair at the widest ranks. Past a few dozen pairs per expert the "
-                  "fused kernel has programs enough and wins again. Two comparisons on case['rank'] and one on "
-                  "case['pairs'] / case['num_experts'] get you under the target; an output wider than 1024 "
-                  "columns (case['N']) below rank 128 tips more cases to two kernels, for a lower regret still."),
+             hint="Read the map above: the two-kernel path wins only past rank 64, where each expert gets few pairs: "
+                  "at rank 128 from a handful of pairs up to a few per expert, at the widest ranks from a single pair "
+                  "up to a few dozen per expert. Everywhere else the fused kernel wins. Comparisons on case['rank'] "
+                  "and on case['pairs'] / case['num_experts'] get you under the target."),
     Exercise("06.schedule", "06_capstone", "code", "a layer schedule per M, scored by regret",
              "choose_schedule", SCHEDULE_STUB, _grade_schedule,
              hint="Read each row of the table above, at both ranks: is one schedule never slower than the others? "

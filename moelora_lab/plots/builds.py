@@ -1,13 +1,14 @@
 """The one-shot kernel built each way (``bench expand``, ``one_shot_build.csv``): per case the time of
-every build against the kernel as it was, and which build the rule picks.
+every build against the kernel as it was, and which build the rule picks; and the one-shot kernel's N
+chunks (``chunk_table``: the probe the chunk rule came from, in ``data/history``).
 
-Shape legend: M tokens, r rank; a case is (op, r, M, B layout).
+Shape legend: M tokens, r rank, k top-k, E experts; a case is (op, r, M, B layout) or (preset, op, r, M).
 """
 from __future__ import annotations
 
 from matplotlib.patches import Patch
 
-from ..dispatch import CONFIGS, one_shot_build_rule
+from ..dispatch import CONFIGS, gpu_config, one_shot_build_rule
 
 FONT = 9
 BUILD_STYLE = {     # variant: (colour, label); "before" is the reference every bar divides
@@ -72,3 +73,59 @@ def draw_build_speedups(ax, rows) -> list[dict]:
               loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3, frameon=False)
     ax.set_title("One-shot builds (outlined: the one the rule launches)", fontsize=FONT + 1)
     return cases
+
+
+def chunk_table(rows, *, sms: int = 132) -> list[dict]:
+    """One dict per case of a chunk probe (``bench kernels`` rows of one-shot at several (n_chunks,
+    block_n), the first one-shot row of a case being the rule's tiles when it ran, and one two-kernel
+    row): preset, op, rank, M, pairs, ``before`` (n_chunks, block_n) and ``before_us``; ``now``, what
+    ``dispatch.gpu_config`` gives the same routing today on ``sms`` SMs, and ``now_us`` (None where the
+    probe did not time it); ``best_us``, the fastest one-shot row; ``two_kernel_us``."""
+    from ..config import MoEShape
+    from .traffic import sweep_workload
+
+    cases: dict = {}
+    for r in rows:
+        cases.setdefault((r["preset"], r["op"], r["rank"], r["M"]), []).append(r)
+    out = []
+    for (preset, op, rank, M), rs in sorted(cases.items()):
+        one = [r for r in rs if r["path"] == "one_shot"]
+        two = [r["us_median"] for r in rs if r["path"] == "two_kernel"]
+        if not one or len(two) != 1:
+            raise ValueError(f"rows: {preset} {op} r={rank} M={M} needs one-shot rows and one two_kernel row")
+        shape = MoEShape.from_name(preset)
+        P = M * shape.top_k
+        n_out, slices = (shape.intermediate, 2) if op == "w13" else (shape.hidden, 1)
+        groups = min(P, sweep_workload(shape, M, one[0]["loras"]).touched_adapter_experts or 1)
+        cfg = gpu_config("one_shot", P, groups, n_out, slices, sms, rank=rank)
+        timed = {(r["n_chunks"], r["block_n"]): r["us_median"] for r in reversed(one)}    # the first row wins
+        now = (cfg.n_chunks, cfg.block_n)
+        out.append(dict(preset=preset, op=op, rank=rank, M=M, pairs=P, before=(one[0]["n_chunks"], one[0]["block_n"]),
+                        before_us=one[0]["us_median"], now=now, now_us=timed.get(now),
+                        best_us=min(timed.values()), two_kernel_us=two[0]))
+    return out
+
+
+def draw_chunk_table(ax, rows) -> list[dict]:
+    """Per case of a chunk probe, the time of today's chunks (filled; hollow where the probe did not
+    time them: the best it timed) and of the two-kernel path (crosses), over the time of the chunks
+    before (1 = no change), against the pairs. Returns ``chunk_table(rows)``."""
+    table = chunk_table(rows)
+    colours = {64: "#1f77b4", 128: "#d62728"}
+    for c in table:
+        colour = colours.get(c["rank"], "gray")
+        timed = c["now_us"] is not None
+        ax.scatter(c["pairs"], (c["now_us"] if timed else c["best_us"]) / c["before_us"], s=28,
+                   facecolor=colour if timed else "none", edgecolor=colour, zorder=3)
+        ax.scatter(c["pairs"], c["two_kernel_us"] / c["before_us"], marker="x", s=22, color=colour, alpha=0.7)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("pairs (M · k)", fontsize=FONT)
+    ax.set_ylabel("time / the chunks before", fontsize=FONT)
+    ax.tick_params(labelsize=FONT)
+    handles = [ax.scatter([], [], color=colours[r], s=28, label=f"r = {r}: one-shot, chunks now") for r in colours]
+    handles.append(ax.scatter([], [], facecolor="none", edgecolor="gray", s=28, label="not timed: best timed"))
+    handles.append(ax.scatter([], [], marker="x", color="gray", s=22, label="two kernels"))
+    ax.legend(handles=handles, fontsize=FONT - 1, loc="upper left")
+    ax.set_title("One-shot N chunks: fewer programs, each re-reading A once", fontsize=FONT + 1)
+    return table
