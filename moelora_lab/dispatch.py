@@ -112,7 +112,7 @@ def num_sms(device: torch.device) -> int:
 # in interleaved rounds, two kernels beside them):
 # * one rank tile of at most 64 (r <= 64): one-shot won every cell of both sweeps by 3-37% once its chunks
 #   followed ``WIDE_RANK_PROGRAMS_PER_SM``, but one (deepseek's w2, r 64, 12288 pairs: two kernels 1.10x), so
-#   two kernels no longer run below ``TWO_KERNEL_MIN_RANK``;
+#   two kernels no longer run up to ``ONE_SHOT_MAX_RANK``;
 # * one rank tile of 128 (r 65..128): two kernels won at 48-256 pairs in seven of eight cells (1.03-1.5x; qwen's
 #   gate/up at 64 pairs ran one-shot 1.04x faster), while at 6-8 pairs one-shot was level or 1.10x faster, at
 #   768-1024 pairs one-shot won (1.02-1.06x) and at 3072-4096 pairs they were level (0.94-1.03x): two kernels
@@ -126,7 +126,8 @@ def num_sms(device: torch.device) -> int:
 # * two or more rank tiles (r > 128): two kernels from one pair to ``TWO_KERNEL_MAX_PAIRS`` (1.05-2x), and for
 #   outputs of at least ``VERY_WIDE_COLUMNS`` per slice up to ``WIDE_MAX_PAIRS`` (deepseek's w2 at 12288 pairs:
 #   1.15x; qwen's w2 at 16384: one-shot 1.10x).
-TWO_KERNEL_MIN_RANK = 65
+ONE_SHOT_MAX_RANK = 64            # one-shot at every size up to this rank
+ONE_TILE_MAX_RANK = 128           # one rank tile up to this rank (the GPU configs' widest tile, max_block_r)
 TWO_KERNEL_MIN_PAIRS = 9
 ONE_TILE_TWO_KERNEL_MAX_PAIRS = 512
 TWO_KERNEL_MAX_PAIRS = 4096
@@ -159,13 +160,13 @@ def one_shot_build_rule(block_r: int) -> tuple[bool, int | None]:
 
 def choose_path(num_pairs: int, num_experts: int, num_loras: int, rank: int, n_out: int | None = None) -> str:
     """The ``auto`` rule (see the measurements above): one-shot, except two kernels
-    * at one rank tile of 128 (``TWO_KERNEL_MIN_RANK`` <= r <= 128) from ``TWO_KERNEL_MIN_PAIRS`` to
+    * at one rank tile (``ONE_SHOT_MAX_RANK`` < r <= ``ONE_TILE_MAX_RANK``) from ``TWO_KERNEL_MIN_PAIRS`` to
       ``ONE_TILE_TWO_KERNEL_MAX_PAIRS`` pairs;
-    * past r 128 up to ``TWO_KERNEL_MAX_PAIRS`` pairs, and up to ``WIDE_MAX_PAIRS`` for an output of at
+    * with more rank tiles up to ``TWO_KERNEL_MAX_PAIRS`` pairs, and up to ``WIDE_MAX_PAIRS`` for an output of at
       least ``VERY_WIDE_COLUMNS`` per slice (``n_out``, N; None: unknown)."""
-    if rank < TWO_KERNEL_MIN_RANK:
+    if rank <= ONE_SHOT_MAX_RANK:
         return "one_shot"
-    if rank <= 2 * 64:
+    if rank <= ONE_TILE_MAX_RANK:
         return "two_kernel" if TWO_KERNEL_MIN_PAIRS <= num_pairs <= ONE_TILE_TWO_KERNEL_MAX_PAIRS else "one_shot"
     wide = n_out is not None and n_out >= VERY_WIDE_COLUMNS
     return "two_kernel" if num_pairs <= (WIDE_MAX_PAIRS if wide else TWO_KERNEL_MAX_PAIRS) else "one_shot"

@@ -152,7 +152,9 @@ def test_auto_uses_the_documented_rule(device):
         for n_out in (None, 768, 2048):
             assert choose_path(num_pairs=pairs, rank=16, n_out=n_out, **e) == "one_shot"
             assert choose_path(num_pairs=pairs, rank=64, n_out=n_out, **e) == "one_shot"
-    # one rank tile of 128: two kernels from 9 to 512 pairs
+    # one rank tile of 128 (the widest tile of the GPU configs): two kernels from 9 to 512 pairs
+    from moelora_lab.dispatch import CONFIGS, ONE_TILE_MAX_RANK
+    assert CONFIGS["decode"].max_block_r == CONFIGS["prefill"].max_block_r == ONE_TILE_MAX_RANK
     assert choose_path(num_pairs=8, rank=128, **e) == "one_shot"
     assert choose_path(num_pairs=9, rank=128, **e) == "two_kernel"
     assert choose_path(num_pairs=512, rank=96, n_out=2048, **e) == "two_kernel"
