@@ -120,9 +120,9 @@ def num_sms(device: torch.device) -> int:
 # * the chunks: a one-shot program recomputes its shrink, reading a whole [r, K] slice of A, in every N chunk, so
 #   a rank tile wider than ``NARROW_RANK`` splits N only until there are ``WIDE_RANK_PROGRAMS_PER_SM`` programs
 #   per SM (not ``PROGRAMS_PER_SM``) and 16-pair blocks keep every column (no ``MAX_EXPAND_COLUMNS`` cap): of
-#   the 48 cells at r 64 and 128, 22 whose chunks changed were timed with the new count, 0.71-0.98x the time
-#   of the old one in 21 and 1.03x in one (qwen's w2, r 128, 256 pairs); 6 changed cells (M = 8: 3, 4 or 6
-#   chunks) were not timed with the new count, 2 of the tried counts around it beat the old one in all 6.
+#   the 48 cells at r 64 and 128, 24 whose chunks changed were timed with the new count, 0.71-0.98x the time
+#   of the old one in 23 and 1.03x in one (qwen's w2, r 128, 256 pairs); 6 changed cells (M = 8: 3, 4 or 6
+#   chunks) were not timed with the new count, and the tried counts on both sides of it beat the old one.
 # * two or more rank tiles (r > 128): two kernels from one pair to ``TWO_KERNEL_MAX_PAIRS`` (1.05-2x), and for
 #   outputs of at least ``VERY_WIDE_COLUMNS`` per slice up to ``WIDE_MAX_PAIRS`` (deepseek's w2 at 12288 pairs:
 #   1.15x; qwen's w2 at 16384: one-shot 1.10x).
