@@ -3,7 +3,7 @@
 # repository root:
 #   bash scripts/gpu_data.sh                 # every step, written to moelora_lab/data/h200
 #   OUT=/tmp/run bash scripts/gpu_data.sh kernels layer   # some steps, elsewhere
-# Steps: registers align kernels layout eager layer priority side_path profiler in_k gemm tma tune dram tests
+# Steps: registers align kernels layout expand eager layer priority side_path profiler in_k gemm tma tune dram tests
 # (default: all; dram needs Nsight Compute's ncu and a GPU whose counters it may read).
 # Each row records its provenance and the code's stamp (schema, tile-rule fingerprint, commit; see
 # moelora_lab/results.py); the notebooks refuse files whose stamp does not match the code.
@@ -24,7 +24,8 @@ bench() { echo "== $(date +%T) bench $*"; $PY -m moelora_lab.bench "$@" --out "$
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 echo "code $MOELORA_CODE_VERSION"
-steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(registers align kernels layout expand eager layer priority side_path profiler in_k gemm tma tune dram tests)
+ALL_STEPS=(registers align kernels layout expand eager layer priority side_path profiler in_k gemm tma tune dram tests)
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=("${ALL_STEPS[@]}")
 for step in "${steps[@]}"; do
   case "$step" in
     registers) bench registers ;;
@@ -50,7 +51,7 @@ for step in "${steps[@]}"; do
         echo "# python -m pytest tests --gpu -q -p no:cacheprovider -n ${TEST_WORKERS:-8}"
         $PY -m pytest tests --gpu -q -p no:cacheprovider -n "${TEST_WORKERS:-8}" 2>&1; } > "$OUT/gpu_tests.log"
       tail -n 3 "$OUT/gpu_tests.log" ;;
-    *) echo "unknown step $step (steps: registers align kernels layout expand eager layer priority side_path profiler in_k gemm tma tune dram tests)"; exit 2 ;;
+    *) echo "unknown step $step (steps: ${ALL_STEPS[*]})"; exit 2 ;;
   esac
 done
 echo "== $(date +%T) done"

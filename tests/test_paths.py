@@ -73,8 +73,9 @@ def test_every_path_of_the_table_runs(device, name):
                                    dict(clamp_ranks=True, prefetch_out=False), dict(prefetch_out=False, expand_stages=0)])
 def test_every_one_shot_build_computes_the_reference(device, build):
     """Each way of building the one-shot kernel (``paths.one_shot_build``) gives the reference's answer into a
-    poisoned output (and leaves the rows of tokens without an adapter alone), on both ops (w2: one slice, so both_slices changes nothing there), with a rank that is not a
-    power of two, and the build is restored afterwards."""
+    poisoned output (and leaves the rows of tokens without an adapter alone), on both ops (w2: one slice, so
+    both_slices changes nothing there), with a rank that is not a power of two, and the build is restored
+    afterwards."""
     p = lora_case(7, device=device, seed=3, rank=12, no_adapter_fraction=0.3)
     h = torch.randn(p.topk_ids.numel(), p.w2_lora_a[0].shape[-1], generator=torch.Generator().manual_seed(1))
     w2 = dict(x=h.to(device), topk_ids=p.topk_ids, topk_weights=p.topk_weights, token_lora=p.token_lora,

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from matplotlib.patches import Patch
 
-from ..dispatch import CONFIGS, gpu_config, one_shot_build_rule
+from ..dispatch import CONFIGS, one_shot_build_rule
+from .design import FINGERPRINT_SMS, sweep_rule_config
 
 FONT = 9
 BUILD_STYLE = {     # variant: (colour, label); "before" is the reference every bar divides
@@ -75,14 +76,13 @@ def draw_build_speedups(ax, rows) -> list[dict]:
     return cases
 
 
-def chunk_table(rows, *, sms: int = 132) -> list[dict]:
+def chunk_table(rows, *, sms: int = FINGERPRINT_SMS) -> list[dict]:
     """One dict per case of a chunk probe (``bench kernels`` rows of one-shot at several (n_chunks,
     block_n), the first one-shot row of a case being the rule's tiles when it ran, and one two-kernel
     row): preset, op, rank, M, pairs, ``before`` (n_chunks, block_n) and ``before_us``; ``now``, what
     ``dispatch.gpu_config`` gives the same routing today on ``sms`` SMs, and ``now_us`` (None where the
     probe did not time it); ``best_us``, the fastest one-shot row; ``two_kernel_us``."""
     from ..config import MoEShape
-    from .traffic import sweep_workload
 
     cases: dict = {}
     for r in rows:
@@ -93,15 +93,12 @@ def chunk_table(rows, *, sms: int = 132) -> list[dict]:
         two = [r["us_median"] for r in rs if r["path"] == "two_kernel"]
         if not one or len(two) != 1:
             raise ValueError(f"rows: {preset} {op} r={rank} M={M} needs one-shot rows and one two_kernel row")
-        shape = MoEShape.from_name(preset)
-        P = M * shape.top_k
-        n_out, slices = (shape.intermediate, 2) if op == "w13" else (shape.hidden, 1)
-        groups = min(P, sweep_workload(shape, M, one[0]["loras"]).touched_adapter_experts or 1)
-        cfg = gpu_config("one_shot", P, groups, n_out, slices, sms, rank=rank)
+        cfg = sweep_rule_config("one_shot", preset, op, rank, M, one[0]["loras"], sms=sms)
         timed = {(r["n_chunks"], r["block_n"]): r["us_median"] for r in reversed(one)}    # the first row wins
         now = (cfg.n_chunks, cfg.block_n)
-        out.append(dict(preset=preset, op=op, rank=rank, M=M, pairs=P, before=(one[0]["n_chunks"], one[0]["block_n"]),
-                        before_us=one[0]["us_median"], now=now, now_us=timed.get(now),
+        out.append(dict(preset=preset, op=op, rank=rank, M=M, pairs=M * MoEShape.from_name(preset).top_k,
+                        before=(one[0]["n_chunks"], one[0]["block_n"]), before_us=one[0]["us_median"],
+                        now=now, now_us=timed.get(now),
                         best_us=min(timed.values()), two_kernel_us=two[0]))
     return out
 

@@ -140,16 +140,26 @@ def _op_dims(shape, op: str) -> tuple[int, int]:
     return (shape.intermediate, 2) if op == "w13" else (shape.hidden, 1)
 
 
+def sweep_rule_config(path: str, preset, op: str, rank: int, M: int, loras: int, *, sms: int = FINGERPRINT_SMS):
+    """The tiles ``dispatch.gpu_config`` gives ``path`` today for one case of the H200 sweeps (the sweep's
+    routing of M tokens over ``loras`` adapters, a GPU of ``sms`` SMs)."""
+    from ..config import MoEShape
+    from ..dispatch import gpu_config
+    from .traffic import sweep_workload
+
+    shape = MoEShape.from_name(preset) if isinstance(preset, str) else preset
+    n_out, slices = _op_dims(shape, op)
+    P = M * shape.top_k
+    groups = min(P, sweep_workload(shape, M, loras).touched_adapter_experts or 1)
+    return gpu_config(path, P, groups, n_out, slices, sms, rank=rank)
+
+
 def lora_rule_table(rows, *, sms: int = FINGERPRINT_SMS) -> list[dict]:
     """Per case of ``lora_tune.csv`` (preset, op, path, rank, M): the tiles the current rule
     (``dispatch.gpu_config`` for ``sms`` SMs, on the sweep's routing) picks, their time if the walk
     timed them (``rule_us``; None if the walk never tried them), the fastest tiles the walk found
     (``best_us``, ``best``), ``rule_over_best`` = rule_us / best_us and ``rule_in_data``: whether the
     rows the walk marked as the rule's are the current rule's tiles (False: the walk ran another rule)."""
-    from ..config import MoEShape
-    from ..dispatch import gpu_config
-    from .traffic import sweep_workload
-
     groups: dict = {}
     for r in rows:
         groups.setdefault((r["preset"], r["op"], r["path"], r["rank"], r["M"]), []).append(r)
@@ -158,11 +168,7 @@ def lora_rule_table(rows, *, sms: int = FINGERPRINT_SMS) -> list[dict]:
         timed = [r for r in rs if r.get("us_median") not in ("", None)]
         if not timed:
             continue
-        shape = MoEShape.from_name(preset)
-        n_out, slices = _op_dims(shape, op)
-        P = M * shape.top_k
-        work = sweep_workload(shape, M, rs[0]["loras"])
-        rule = _tiles(gpu_config(path, P, min(P, work.touched_adapter_experts or 1), n_out, slices, sms, rank=rank))
+        rule = _tiles(sweep_rule_config(path, preset, op, rank, M, rs[0]["loras"], sms=sms))
         at_rule = [r["us_median"] for r in timed if _tiles(r) == rule]
         best = min(timed, key=lambda r: r["us_median"])
         marked = {_tiles(r) for r in rs if str(r.get("rule")) == "True"}
