@@ -126,6 +126,15 @@ def num_sms(device: torch.device) -> int:
 # * two or more rank tiles (r > 128): two kernels from one pair to ``TWO_KERNEL_MAX_PAIRS`` (1.05-2x), and for
 #   outputs of at least ``VERY_WIDE_COLUMNS`` per slice up to ``WIDE_MAX_PAIRS`` (deepseek's w2 at 12288 pairs:
 #   1.15x; qwen's w2 at 16384: one-shot 1.10x).
+# Then, from that sweep, the chunk probe and the path sweep after it (kernels.csv at 4affdc9bf8), three runs
+# that agreed:
+# * one rank tile of 128 on outputs of at least ``VERY_WIDE_COLUMNS`` per slice (both presets' w2): two kernels
+#   won at 3072-4096 pairs in all three (1.04-1.08x), while one-shot won at 768-1024 pairs (1.03x): two kernels
+#   from ``ONE_TILE_WIDE_MIN_PAIRS`` to ``TWO_KERNEL_MAX_PAIRS`` there too;
+# * a 16-wide rank tile with at most ``DECODE_PAIRS`` pairs (one or two tokens) streams K in
+#   ``DECODE_BLOCK_K`` steps: each program holds a pair or two, and with few programs the shrink's loop trips
+#   wait on memory one after another (the walk at M = 1: one-shot 1.16x on w13, 1.02x on w2; two kernels 1.24x
+#   and 1.02x; at 128 pairs one-shot kept 128).
 ONE_SHOT_MAX_RANK = 64            # one-shot at every size up to this rank
 ONE_TILE_MAX_RANK = 128           # one rank tile up to this rank (the GPU configs' widest tile, max_block_r)
 TWO_KERNEL_MIN_PAIRS = 9
@@ -133,6 +142,9 @@ ONE_TILE_TWO_KERNEL_MAX_PAIRS = 512
 TWO_KERNEL_MAX_PAIRS = 4096
 WIDE_MAX_PAIRS = 12288
 VERY_WIDE_COLUMNS = 2048
+ONE_TILE_WIDE_MIN_PAIRS = 2048
+DECODE_PAIRS = 16
+DECODE_BLOCK_K = 512
 PROGRAMS_PER_SM = 4
 WIDE_RANK_PROGRAMS_PER_SM = 2   # one-shot with a rank tile wider than NARROW_RANK
 NARROW_RANK = 16            # rank tiles up to this wide: 2 warps, BLOCK_K 128 (measured at r 16 only)
@@ -161,14 +173,16 @@ def one_shot_build_rule(block_r: int) -> tuple[bool, int | None]:
 def choose_path(num_pairs: int, num_experts: int, num_loras: int, rank: int, n_out: int | None = None) -> str:
     """The ``auto`` rule (see the measurements above): one-shot, except two kernels
     * at one rank tile (``ONE_SHOT_MAX_RANK`` < r <= ``ONE_TILE_MAX_RANK``) from ``TWO_KERNEL_MIN_PAIRS`` to
-      ``ONE_TILE_TWO_KERNEL_MAX_PAIRS`` pairs;
-    * with more rank tiles up to ``TWO_KERNEL_MAX_PAIRS`` pairs, and up to ``WIDE_MAX_PAIRS`` for an output of at
-      least ``VERY_WIDE_COLUMNS`` per slice (``n_out``, N; None: unknown)."""
+      ``ONE_TILE_TWO_KERNEL_MAX_PAIRS`` pairs, and for an output of at least ``VERY_WIDE_COLUMNS`` per slice
+      (``n_out``, N; None: unknown) from ``ONE_TILE_WIDE_MIN_PAIRS`` to ``TWO_KERNEL_MAX_PAIRS`` too;
+    * with more rank tiles up to ``TWO_KERNEL_MAX_PAIRS`` pairs, and up to ``WIDE_MAX_PAIRS`` for a wide output."""
     if rank <= ONE_SHOT_MAX_RANK:
         return "one_shot"
-    if rank <= ONE_TILE_MAX_RANK:
-        return "two_kernel" if TWO_KERNEL_MIN_PAIRS <= num_pairs <= ONE_TILE_TWO_KERNEL_MAX_PAIRS else "one_shot"
     wide = n_out is not None and n_out >= VERY_WIDE_COLUMNS
+    if rank <= ONE_TILE_MAX_RANK:
+        few = TWO_KERNEL_MIN_PAIRS <= num_pairs <= ONE_TILE_TWO_KERNEL_MAX_PAIRS
+        wide_mid = wide and ONE_TILE_WIDE_MIN_PAIRS <= num_pairs <= TWO_KERNEL_MAX_PAIRS
+        return "two_kernel" if few or wide_mid else "one_shot"
     return "two_kernel" if num_pairs <= (WIDE_MAX_PAIRS if wide else TWO_KERNEL_MAX_PAIRS) else "one_shot"
 
 
@@ -244,6 +258,8 @@ def gpu_config(path: str, num_pairs: int, num_groups: int, n_out: int, num_slice
     cfg = base.replace(block_m=block_m, block_n=block_n, n_chunks=n_chunks)
     if narrow and path == "one_shot":
         cfg = cfg.replace(num_warps=4 if per_group > 48 else 2, block_k=128)
+    if narrow and path in ("one_shot", "two_kernel") and num_pairs <= DECODE_PAIRS:
+        cfg = cfg.replace(block_k=DECODE_BLOCK_K)
     if per_group > 24 and tile is not None and NARROW_RANK < tile <= MID_RANK:
         if path == "one_shot":
             cfg = cfg.replace(block_k=128)

@@ -64,9 +64,13 @@ def resolve_schedule(schedule: str, device: torch.device, *, num_pairs: int = 0,
 
 # From the H200 (bf16, qwen3-30b-a3b, 4 adapters; data/h200/layer_in_k.csv): both LoRA ops in K beat two
 # streams at r 16 (L*r = 64) from 128 pairs per expert (M = 2048: 1.175 against 1.238 of the layer without
-# LoRA; M = 8192: 1.129 against 1.295), were level at 32 (M = 512) and lost below; at r 64 (L*r = 256) the
-# wider K lost everywhere.
-IN_K_MAX_COLUMNS = 64           # L*r
+# LoRA; M = 8192: 1.129 against 1.295), were level at 32 (M = 512) and lost below. At r 64 (L*r = 256) the
+# wider K lost everywhere with the one-shot kernel before its expand was pipelined; with it (code 4affdc9bf8),
+# both LoRA ops in K beat two streams at r 64 too from 128 pairs per expert, in both runs that timed them
+# (layer_in_k.csv: 1.376 against 1.392 at M = 2048, 1.288 against 1.380 at M = 8192; layer.csv: 1.327
+# against 1.363, 1.305 against 1.360), and lost at M = 512 in both (1.38 against 1.32). Wider K than
+# L*r = 256 was not measured.
+IN_K_MAX_COLUMNS = 256          # L*r
 IN_K_MIN_PAIRS_PER_EXPERT = 128
 
 

@@ -41,9 +41,23 @@ def test_the_rule_returns_the_tiles_it_is_known_for():
     """The grid reaches every BLOCK_M and BLOCK_K the rule has, so the test below runs them all."""
     tiles = rule_tiles("cuda")
     assert {k[1][0] for k in tiles if k[0] != "small_batch"} == {16, 32, 64}
-    assert {k[1][2] for k in tiles} == {64, 128}
+    assert {k[1][2] for k in tiles} == {64, 128, 512}                                    # 512: decode, r <= 16
     assert {(k[0], k[1][5]) for k in tiles} >= {("two_kernel", 2), ("two_kernel", 3)}   # stages
     assert {(k[0], k[1][4]) for k in tiles} >= {("one_shot", 2), ("one_shot", 4)}       # warps
+
+
+def test_decode_streams_k_in_long_steps_at_narrow_ranks_only():
+    """At most ``DECODE_PAIRS`` pairs and a 16-wide rank tile: ``DECODE_BLOCK_K`` for one-shot and two kernels;
+    one pair more, a wider rank tile or the small-batch kernel keep the tiles they had."""
+    from moelora_lab.dispatch import DECODE_BLOCK_K, DECODE_PAIRS
+
+    for n_out, slices in OUTPUTS:
+        for path in ("one_shot", "two_kernel"):
+            assert gpu_config(path, DECODE_PAIRS, DECODE_PAIRS, n_out, slices, 132, rank=16).block_k == DECODE_BLOCK_K
+            assert gpu_config(path, 1, 1, n_out, slices, 132, rank=8).block_k == DECODE_BLOCK_K
+            assert gpu_config(path, DECODE_PAIRS + 1, DECODE_PAIRS + 1, n_out, slices, 132, rank=16).block_k == 128
+            assert gpu_config(path, 8, 8, n_out, slices, 132, rank=32).block_k == 128
+        assert gpu_config("small_batch", 8, 8, n_out, slices, 132, rank=16).block_k == 128
 
 
 @pytest.mark.parametrize("path", ["one_shot", "two_kernel", "small_batch"])

@@ -159,6 +159,12 @@ def test_auto_uses_the_documented_rule(device):
     assert choose_path(num_pairs=9, rank=128, **e) == "two_kernel"
     assert choose_path(num_pairs=512, rank=96, n_out=2048, **e) == "two_kernel"
     assert choose_path(num_pairs=513, rank=128, **e) == "one_shot"
+    # ... and on outputs of at least 2048 per slice from 2048 to 4096 pairs too
+    for n_out, runs in ((2048, "two_kernel"), (1408, "one_shot"), (None, "one_shot")):
+        assert choose_path(num_pairs=2048, rank=128, n_out=n_out, **e) == runs
+        assert choose_path(num_pairs=4096, rank=100, n_out=n_out, **e) == runs
+    assert choose_path(num_pairs=2047, rank=128, n_out=2048, **e) == "one_shot"
+    assert choose_path(num_pairs=4097, rank=128, n_out=2048, **e) == "one_shot"
     # past r 128: two kernels up to 4096 pairs, up to 12288 for outputs of at least 2048 per slice
     assert choose_path(num_pairs=1, rank=256, **e) == "two_kernel"
     assert choose_path(num_pairs=4096, rank=256, n_out=1408, **e) == "two_kernel"
