@@ -93,13 +93,13 @@ def test_committed_h200_traces():
 
 def test_stage_model_tiles_by_hand():
     """M = 1, r = 16 on 132 SMs: 8 pairs in 8 (adapter, expert) groups, one pair each: decode tiles, narrow
-    rank (2 warps, BLOCK_K 128); 8 blocks x 2 slices want ceil(528 / 16) = 33 programs each, more than the
+    rank (2 warps; at most 16 pairs: BLOCK_K 512); 8 blocks x 2 slices want ceil(528 / 16) = 33 programs each, more than the
     6 128-wide tiles of N = 768, so BLOCK_N 64 and min(33, 12) = 12 chunks; w2 (N = 2048, one slice):
     ceil(528 / 8) = 66 wanted, min(66, 32) = 32 chunks. Base GEMMs: 8/128 pairs per expert, 16 x 128 x 128."""
     meta = dict(preset="qwen3-30b-a3b", M=1, rank=16, loras=4, schedule="dual_stream", lora_path="one_shot")
     model = stage_model(meta)
     assert list(model) == ["base_w13", "lora_w13", "act", "base_w2", "lora_w2", "sum"]
-    lora = dict(block_m=16, block_n=64, block_k=128, max_block_r=128, num_warps=2, num_stages=3, BLOCK_R=16,
+    lora = dict(block_m=16, block_n=64, block_k=512, max_block_r=128, num_warps=2, num_stages=3, BLOCK_R=16,
                 RANK_TILES=1)
     assert model["lora_w13"]["tiles"] == dict(lora, n_chunks=12) and model["lora_w13"]["kernel"] == "one_shot_kernel"
     assert model["lora_w2"]["tiles"] == dict(lora, n_chunks=32)
