@@ -1,0 +1,85 @@
+"""Probe: the two-stream layer at one to four tokens with the side stream's LoRA tiles varied, w13 and w2 apart.
+
+The layer (qwen3-30b-a3b, bf16, 4 adapters, r 16 and 64) from a plan made for two streams, its LoRA launched
+with the tiles ``dispatch.gpu_config`` gives, or with one field changed for one op (``VARIANTS``); every
+variant checked against the rule's output, then all of a case and the layer without LoRA timed in
+interleaved rounds. On a GPU, from the repository root:
+
+    PYTHONPATH=. OUT=/tmp/probe python scripts/probes/side_tiles.py
+
+writes ``$OUT/side_tiles.csv``; its ``command`` starts with ``probe:`` (see data/history/README.md).
+"""
+import csv
+import os
+
+import torch
+
+import moelora_lab.dispatch as dispatch
+from moelora_lab.bench.common import base_weights, device, seeded_generator, sweep_routing
+from moelora_lab.config import MoEShape, layer_lora_weights
+from moelora_lab.layer import moe_lora_layer, plan_layer
+from moelora_lab.profile import timing
+
+VARIANTS = {"rule": {},
+            "w2_c16_n128": {"w2": dict(n_chunks=16, block_n=128)},
+            "w2_c8_n128": {"w2": dict(n_chunks=8, block_n=128)},
+            "w2_c4_n128": {"w2": dict(n_chunks=4, block_n=128)},
+            "w2_k256": {"w2": dict(block_k=256)},
+            "w2_w4": {"w2": dict(num_warps=4)},
+            "w13_c6_n128": {"w13": dict(n_chunks=6, block_n=128)},
+            "both_c8": {"w13": dict(n_chunks=6, block_n=128), "w2": dict(n_chunks=8, block_n=128)}}
+_override: dict = {}
+_rule = dispatch.gpu_config
+
+
+def _gpu_config(path, num_pairs, num_groups, n_out, num_slices, sms, *, rank=None):
+    """The rule's tiles, with the active variant's fields for this op (w13: two slices) replaced."""
+    cfg = _rule(path, num_pairs, num_groups, n_out, num_slices, sms, rank=rank)
+    change = _override.get("w13" if num_slices == 2 else "w2")
+    return cfg.replace(**change) if change else cfg
+
+
+def main(out: str) -> None:
+    dispatch.gpu_config = _gpu_config
+    prov = timing.provenance("probe: python scripts/probes/side_tiles.py")
+    gen = seeded_generator(0)
+    shape = MoEShape.from_name("qwen3-30b-a3b")
+    E, H, I, L = shape.num_experts, shape.hidden, shape.intermediate, 4
+    w13, w2 = base_weights(shape, gen, torch.bfloat16)
+    rows = []
+    for rank in (16, 64):
+        lora = layer_lora_weights(shape, L, rank, gen, torch.bfloat16)
+        for M in (1, 2, 4):
+            ids, tw, tl = sweep_routing(shape, L, M, 0)
+            x = torch.randn(M, H, device=device(), generator=gen, dtype=torch.bfloat16)
+            plan = plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I, schedule="dual_stream")
+            plain = plan_layer(ids, tl, E, None, None)
+            base = (x, ids, tw, tl, w13, w2)
+
+            def run(variant):
+                _override.update(VARIANTS[variant])
+                try:
+                    return moe_lora_layer(*base, **lora, schedule="dual_stream", plan=plan)
+                finally:
+                    _override.clear()
+
+            ref = run("rule").float()
+            for variant in VARIANTS:
+                torch.testing.assert_close(run(variant).float(), ref, rtol=2e-2, atol=2e-2)
+            fns = {"no_lora": lambda: moe_lora_layer(*base, plan=plain)}
+            fns.update({variant: (lambda v=variant: run(v)) for variant in VARIANTS})
+            timed = timing.time_cuda_interleaved(fns, rounds=3)
+            for variant, t in timed.items():
+                rows.append(dict(preset=shape.name, M=M, rank=rank, loras=L, path=plan.lora_path, variant=variant,
+                                 us_median=round(t.median_us, 2), us_p20=round(t.p20_us, 2),
+                                 us_p80=round(t.p80_us, 2),
+                                 over_no_lora=round(t.median_us / timed["no_lora"].median_us, 4), **prov))
+                print(rank, M, plan.lora_path, variant, rows[-1]["us_median"], rows[-1]["over_no_lora"], flush=True)
+    with open(os.path.join(out, "side_tiles.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+if __name__ == "__main__":
+    main(os.environ.get("OUT", "/tmp"))
