@@ -126,8 +126,8 @@ def num_sms(device: torch.device) -> int:
 # * two or more rank tiles (r > 128): two kernels from one pair to ``TWO_KERNEL_MAX_PAIRS`` (1.05-2x), and for
 #   outputs of at least ``VERY_WIDE_COLUMNS`` per slice up to ``WIDE_MAX_PAIRS`` (deepseek's w2 at 12288 pairs:
 #   1.15x; qwen's w2 at 16384: one-shot 1.10x).
-# Then, from that sweep, the chunk probe and the path sweep after it (kernels.csv at 4affdc9bf8), three runs
-# that agreed:
+# Then, from that sweep, the chunk probe and the path sweep after it (data/history/kernels_4affdc9bf8.csv),
+# three runs that agreed:
 # * one rank tile of 128 on outputs of at least ``VERY_WIDE_COLUMNS`` per slice (both presets' w2): two kernels
 #   won at 3072-4096 pairs in all three (1.04-1.08x), while one-shot won at 768-1024 pairs (1.03x): two kernels
 #   from ``ONE_TILE_WIDE_MIN_PAIRS`` to ``TWO_KERNEL_MAX_PAIRS`` there too;
