@@ -5,12 +5,14 @@ with the tiles ``dispatch.gpu_config`` gives, or with one field changed for one 
 variant checked against the rule's output, then all of a case and the layer without LoRA timed in
 interleaved rounds. On a GPU, from the repository root:
 
-    PYTHONPATH=. OUT=/tmp/probe python scripts/probes/side_tiles.py
+    PYTHONPATH=. OUT=/tmp/probe python scripts/probes/side_tiles.py [--tokens 1 2 4] [--ranks 16 64]
 
 writes ``$OUT/side_tiles.csv``; its ``command`` starts with ``probe:`` (see data/history/README.md).
 """
+import argparse
 import csv
 import os
+import sys
 
 import torch
 
@@ -39,17 +41,17 @@ def _gpu_config(path, num_pairs, num_groups, n_out, num_slices, sms, *, rank=Non
     return cfg.replace(**change) if change else cfg
 
 
-def main(out: str) -> None:
+def main(out: str, tokens: list[int], ranks: list[int], command: str) -> None:
     dispatch.gpu_config = _gpu_config
-    prov = timing.provenance("probe: python scripts/probes/side_tiles.py")
+    prov = timing.provenance(command)
     gen = seeded_generator(0)
     shape = MoEShape.from_name("qwen3-30b-a3b")
     E, H, I, L = shape.num_experts, shape.hidden, shape.intermediate, 4
     w13, w2 = base_weights(shape, gen, torch.bfloat16)
     rows = []
-    for rank in (16, 64):
+    for rank in ranks:
         lora = layer_lora_weights(shape, L, rank, gen, torch.bfloat16)
-        for M in (1, 2, 4):
+        for M in tokens:
             ids, tw, tl = sweep_routing(shape, L, M, 0)
             x = torch.randn(M, H, device=device(), generator=gen, dtype=torch.bfloat16)
             plan = plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I, schedule="dual_stream")
@@ -82,4 +84,9 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(os.environ.get("OUT", "/tmp"))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", nargs="+", type=int, default=[1, 2, 4])
+    parser.add_argument("--ranks", nargs="+", type=int, default=[16, 64])
+    args = parser.parse_args()
+    main(os.environ.get("OUT", "/tmp"), args.tokens, args.ranks,
+         " ".join(["probe: python scripts/probes/side_tiles.py", *sys.argv[1:]]))
