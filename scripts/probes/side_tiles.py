@@ -5,7 +5,7 @@ with the tiles ``dispatch.gpu_config`` gives, or with one field changed for one 
 variant checked against the rule's output, then all of a case and the layer without LoRA timed in
 interleaved rounds. On a GPU, from the repository root:
 
-    PYTHONPATH=. OUT=/tmp/probe python scripts/probes/side_tiles.py [--tokens 1 2 4] [--ranks 16 64]
+    PYTHONPATH=. OUT=/tmp/probe python scripts/probes/side_tiles.py [--tokens 1 2 4] [--ranks 16 64] [--variants chunks]
 
 writes ``$OUT/side_tiles.csv``; its ``command`` starts with ``probe:`` (see data/history/README.md).
 """
@@ -30,6 +30,9 @@ VARIANTS = {"rule": {},
             "w2_w4": {"w2": dict(num_warps=4)},
             "w13_c6_n128": {"w13": dict(n_chunks=6, block_n=128)},
             "both_c8": {"w13": dict(n_chunks=6, block_n=128), "w2": dict(n_chunks=8, block_n=128)}}
+# --variants chunks: each op's N chunks alone (128-wide tiles), for a chunk rule of the side stream's own
+CHUNKS = {"rule": {}, **{f"{op}_c{c}_n128": {op: dict(n_chunks=c, block_n=128)}
+                         for op in ("w13", "w2") for c in (1, 2, 4, 8, 16)}}
 _override: dict = {}
 _rule = dispatch.gpu_config
 
@@ -41,7 +44,7 @@ def _gpu_config(path, num_pairs, num_groups, n_out, num_slices, sms, *, rank=Non
     return cfg.replace(**change) if change else cfg
 
 
-def main(out: str, tokens: list[int], ranks: list[int], command: str) -> None:
+def main(out: str, tokens: list[int], ranks: list[int], variants: dict, command: str) -> None:
     dispatch.gpu_config = _gpu_config
     prov = timing.provenance(command)
     gen = seeded_generator(0)
@@ -59,17 +62,17 @@ def main(out: str, tokens: list[int], ranks: list[int], command: str) -> None:
             base = (x, ids, tw, tl, w13, w2)
 
             def run(variant):
-                _override.update(VARIANTS[variant])
+                _override.update(variants[variant])
                 try:
                     return moe_lora_layer(*base, **lora, schedule="dual_stream", plan=plan)
                 finally:
                     _override.clear()
 
             ref = run("rule").float()
-            for variant in VARIANTS:
+            for variant in variants:
                 torch.testing.assert_close(run(variant).float(), ref, rtol=2e-2, atol=2e-2)
             fns = {"no_lora": lambda: moe_lora_layer(*base, plan=plain)}
-            fns.update({variant: (lambda v=variant: run(v)) for variant in VARIANTS})
+            fns.update({variant: (lambda v=variant: run(v)) for variant in variants})
             timed = timing.time_cuda_interleaved(fns, rounds=3)
             for variant, t in timed.items():
                 rows.append(dict(preset=shape.name, M=M, rank=rank, loras=L, path=plan.lora_path, variant=variant,
@@ -87,6 +90,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 2, 4])
     parser.add_argument("--ranks", nargs="+", type=int, default=[16, 64])
+    parser.add_argument("--variants", choices=["tiles", "chunks"], default="tiles",
+                        help="tiles: one field changed at a time (VARIANTS); chunks: each op's N chunks (CHUNKS)")
     args = parser.parse_args()
-    main(os.environ.get("OUT", "/tmp"), args.tokens, args.ranks,
+    main(os.environ.get("OUT", "/tmp"), args.tokens, args.ranks, CHUNKS if args.variants == "chunks" else VARIANTS,
          " ".join(["probe: python scripts/probes/side_tiles.py", *sys.argv[1:]]))
