@@ -166,6 +166,21 @@ def test_every_exercise_sits_in_its_notebook(ex):
     assert hints, f"{ex.notebook}: no <details> hint with the text of {ex.id}'s hint before its stub"
 
 
+def test_the_registers_prompt_names_the_shape_it_grades():
+    """03.registers is graded on ``nb03.REGISTERS``; its prompt, stub and hint state that shape in words, so each
+    must name the same BLOCK_M, rank and warps (a changed shape fails here, not silently in the prose)."""
+    from moelora_lab.exercises.nb03 import REGISTERS
+
+    bm, r, warps = REGISTERS["block_m"], REGISTERS["rank"], REGISTERS["num_warps"]
+    ex = EXERCISES["03.registers"]
+    prompt = [_squash("".join(c["source"])) for c in _cells(ex.notebook)
+              if c["cell_type"] == "markdown" and "Exercise 03.registers" in "".join(c["source"])]
+    assert len(prompt) == 1
+    assert f"r = {r} at BLOCK_M = {bm}" in prompt[0] and f"`{bm} × {r}`" in prompt[0] and f"{warps}-warp" in prompt[0]
+    assert f"r = {r} at BLOCK_M = {bm}" in ex.stub and f"{warps} warps" in ex.stub
+    assert f"{bm} x {r}" in ex.hint and f"{warps} warps" in ex.hint
+
+
 def test_readme_table_lists_every_exercise():
     from moelora_lab.exercises.__main__ import table
     text = (ROOT / "README.md").read_text()
