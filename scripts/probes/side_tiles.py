@@ -5,7 +5,7 @@ with the tiles ``dispatch.gpu_config`` gives, or with one field changed for one 
 variant checked against the rule's output, then all of a case and the layer without LoRA timed in
 interleaved rounds. On a GPU, from the repository root:
 
-    PYTHONPATH=. OUT=/tmp/probe python scripts/probes/side_tiles.py [--tokens 1 2 4] [--ranks 16 64] [--variants chunks]
+    PYTHONPATH=. OUT=/tmp/probe python scripts/probes/side_tiles.py [--tokens 1 2 4] [--ranks 16 64] [--variants paths]
 
 writes ``$OUT/side_tiles.csv``; its ``command`` starts with ``probe:`` (see data/history/README.md).
 """
@@ -33,6 +33,11 @@ VARIANTS = {"rule": {},
 # --variants chunks: each op's N chunks alone (128-wide tiles), for a chunk rule of the side stream's own
 CHUNKS = {"rule": {}, **{f"{op}_c{c}_n128": {op: dict(n_chunks=c, block_n=128)}
                          for op in ("w13", "w2") for c in (1, 2, 4, 8, 16)}}
+# --variants paths: the side rule's path beside both paths, one-shot at few chunks of 128 columns per op (w13, w2)
+PATHS = {"rule": {}, "two_kernel": {"path": "two_kernel"}, "one_shot": {"path": "one_shot"},
+         **{f"one_shot_c{a}_{b}": {"path": "one_shot", "w13": dict(n_chunks=a, block_n=128),
+                                   "w2": dict(n_chunks=b, block_n=128)}
+            for a, b in ((1, 2), (1, 4), (2, 4), (2, 8), (3, 8), (6, 16))}}
 _override: dict = {}
 _rule = dispatch.gpu_config
 
@@ -58,13 +63,17 @@ def main(out: str, tokens: list[int], ranks: list[int], variants: dict, command:
             ids, tw, tl = sweep_routing(shape, L, M, 0)
             x = torch.randn(M, H, device=device(), generator=gen, dtype=torch.bfloat16)
             plan = plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I, schedule="dual_stream")
+            plans = {p: plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I, schedule="dual_stream", lora_path=p)
+                     for p in ("one_shot", "two_kernel")}
             plain = plan_layer(ids, tl, E, None, None)
             base = (x, ids, tw, tl, w13, w2)
 
             def run(variant):
-                _override.update(variants[variant])
+                change = dict(variants[variant])
+                use = plans[change.pop("path")] if "path" in change else plan
+                _override.update(change)
                 try:
-                    return moe_lora_layer(*base, **lora, schedule="dual_stream", plan=plan)
+                    return moe_lora_layer(*base, **lora, schedule="dual_stream", plan=use)
                 finally:
                     _override.clear()
 
@@ -75,11 +84,12 @@ def main(out: str, tokens: list[int], ranks: list[int], variants: dict, command:
             fns.update({variant: (lambda v=variant: run(v)) for variant in variants})
             timed = timing.time_cuda_interleaved(fns, rounds=3)
             for variant, t in timed.items():
-                rows.append(dict(preset=shape.name, M=M, rank=rank, loras=L, path=plan.lora_path, variant=variant,
+                path = variants.get(variant, {}).get("path", plan.lora_path)
+                rows.append(dict(preset=shape.name, M=M, rank=rank, loras=L, path=path, variant=variant,
                                  us_median=round(t.median_us, 2), us_p20=round(t.p20_us, 2),
                                  us_p80=round(t.p80_us, 2),
                                  over_no_lora=round(t.median_us / timed["no_lora"].median_us, 4), **prov))
-                print(rank, M, plan.lora_path, variant, rows[-1]["us_median"], rows[-1]["over_no_lora"], flush=True)
+                print(rank, M, path, variant, rows[-1]["us_median"], rows[-1]["over_no_lora"], flush=True)
     with open(os.path.join(out, "side_tiles.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
@@ -90,8 +100,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 2, 4])
     parser.add_argument("--ranks", nargs="+", type=int, default=[16, 64])
-    parser.add_argument("--variants", choices=["tiles", "chunks"], default="tiles",
-                        help="tiles: one field changed at a time (VARIANTS); chunks: each op's N chunks (CHUNKS)")
+    parser.add_argument("--variants", choices=["tiles", "chunks", "paths"], default="tiles",
+                        help="tiles: one field changed at a time (VARIANTS); chunks: each op's N chunks (CHUNKS); "
+                             "paths: both paths and one-shot at few chunks (PATHS)")
     args = parser.parse_args()
-    main(os.environ.get("OUT", "/tmp"), args.tokens, args.ranks, CHUNKS if args.variants == "chunks" else VARIANTS,
+    main(os.environ.get("OUT", "/tmp"), args.tokens, args.ranks, {"tiles": VARIANTS, "chunks": CHUNKS, "paths": PATHS}[args.variants],
          " ".join(["probe: python scripts/probes/side_tiles.py", *sys.argv[1:]]))
