@@ -196,10 +196,19 @@ def choose_path(num_pairs: int, num_experts: int, num_loras: int, rank: int, n_o
 #   against 1.44); one-shot stayed ahead at 6-8 pairs (1.13-1.15 against 1.24-1.28).
 # A one-shot program at these sizes recomputes its shrink in every N chunk and the chunks are many (they
 # fill the SMs when the op runs alone); beside the base GEMMs those programs queue for the same SMs.
-SIDE_TWO_KERNEL_MIN_PAIRS = 17      # below r 64 (measured at r 16)
+# Then one-shot got its own chunks on the side stream (``SIDE_PROGRAMS`` per op up to ``SIDE_FEW_PAIRS`` pairs,
+# not the op's two to four per SM), from a probe of the layer at M = 1..16 (qwen3-30b-a3b, r 16 and 64, both
+# paths and one-shot at 1..6 w13 and 2..16 w2 chunks in interleaved rounds; data/history/side_paths_e7e5c71e57.csv):
+# with about 64 programs per op, one-shot beat two kernels beside the base GEMMs at 16-32 pairs at r 64 (1.16
+# against 1.23 of the layer without LoRA at 16 pairs, 1.13 against 1.17 at 24, 1.16 against 1.18 at 32) and was
+# level with them at r 16 (1.05-1.10 against 1.05-1.10); with the op's chunks it was the worst of all there
+# (1.21-1.37). From 48 pairs two kernels were level or ahead, at 8 pairs every chunk count within 1%.
+SIDE_TWO_KERNEL_MIN_PAIRS = 33      # below r 64 (measured at r 16)
 SIDE_TWO_KERNEL_MAX_PAIRS = 192
 SIDE_WIDE_RANK = 64                 # from this rank (measured at r 64) ...
-SIDE_WIDE_RANK_MIN_PAIRS = 12       # ... two kernels from 12 pairs
+SIDE_WIDE_RANK_MIN_PAIRS = 33       # ... two kernels from 33 pairs
+SIDE_FEW_PAIRS = 32                 # one-shot on the side stream up to this many pairs ...
+SIDE_PROGRAMS = 64                  # ... splits N until each op has this many programs
 SIDE_WIDE_RANK_MAX_PAIRS = 512      # ... up to the largest case measured beside the base GEMMs (64 tokens)
 
 
@@ -226,16 +235,18 @@ def choice_rank(rank: int, lora_ranks: torch.Tensor | None) -> int:
 
 
 def choose_config(path: str, num_pairs: int, num_groups: int, n_out: int, num_slices: int,
-                  device: torch.device, *, rank: int | None = None) -> KernelConfig:
+                  device: torch.device, *, rank: int | None = None, side_stream: bool = False) -> KernelConfig:
     """Tiles for ``path`` given the pairs, the number of (adapter, expert) groups they touch and
-    the rank (``None``: unknown, the tiles that suit every rank)."""
+    the rank (``None``: unknown, the tiles that suit every rank); ``side_stream``: for a launch beside
+    the base GEMMs on the two-stream layer's side stream."""
     if INTERPRET:
         return CONFIGS["interpreter"]
-    return gpu_config(path, num_pairs, num_groups, n_out, num_slices, num_sms(device), rank=rank)
+    return gpu_config(path, num_pairs, num_groups, n_out, num_slices, num_sms(device), rank=rank,
+                      side_stream=side_stream)
 
 
 def gpu_config(path: str, num_pairs: int, num_groups: int, n_out: int, num_slices: int, sms: int, *,
-               rank: int | None = None) -> KernelConfig:
+               rank: int | None = None, side_stream: bool = False) -> KernelConfig:
     """The GPU rule of :func:`choose_config` for a device with ``sms`` SMs (testable without one)."""
     per_group = num_pairs / max(num_groups, 1)
     base = CONFIGS["decode"] if per_group <= 24 else CONFIGS["prefill"]
@@ -245,6 +256,8 @@ def gpu_config(path: str, num_pairs: int, num_groups: int, n_out: int, num_slice
     blocks = max(1, num_pairs // block_m + min(num_groups, num_pairs))
     wide_shrink = path == "one_shot" and tile is not None and tile > NARROW_RANK   # each chunk re-reads A
     target = (WIDE_RANK_PROGRAMS_PER_SM if wide_shrink else PROGRAMS_PER_SM) * sms
+    if side_stream and path == "one_shot" and num_pairs <= SIDE_FEW_PAIRS:
+        target = SIDE_PROGRAMS                               # beside the base GEMMs: fewer, longer programs
     block_n, n_chunks = 128, 1
     want = -(-target // (blocks * num_slices))
     if path in ("one_shot", "small_batch"):

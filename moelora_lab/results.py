@@ -61,6 +61,9 @@ def _rule_table() -> list:
                 for n_out, slices in ((768, 2), (2048, 1), (1408, 2)):
                     table.append([repr(gpu_config(path, p, groups, n_out, slices, _FINGERPRINT_SMS, rank=r))
                                   for r in ranks])
+            for n_out, slices in ((768, 2), (2048, 1)):
+                table.append([repr(gpu_config("one_shot", p, groups, n_out, slices, _FINGERPRINT_SMS, rank=r,
+                                              side_stream=True)) for r in ranks])
     for per_expert in (0.5, 1, 2, 3, 8, 16, 17, 32, 33, 96, 97, 512):
         table.append([gpu_gemm_tiles(per_expert, lora=lora) for lora in (False, True)])
     return table

@@ -83,15 +83,42 @@ def test_every_rule_tile_against_the_reference(device, path):
 
 
 def test_the_side_stream_rule_takes_two_kernels_where_the_layer_measured_them_faster():
-    """``choose_side_path``: two kernels at 17..192 pairs below r 64 and 12..512 from r 64 (the measured
+    """``choose_side_path``: two kernels at 33..192 pairs below r 64 and 33..512 from r 64 (the measured
     boundaries), else exactly ``choose_path``."""
     from moelora_lab.dispatch import choose_path, choose_side_path
 
     side = {r: [p for p in range(1, 4097) if choose_side_path(p, 128, 4, r, 768) == "two_kernel"] for r in (8, 16, 64)}
-    assert side[16] == side[8] == list(range(17, 193))
-    assert side[64] == list(range(12, 513))              # the op's rule runs one-shot at r 64
-    for pairs in (1, 8, 16, 193, 1024, 65536):
+    assert side[16] == side[8] == list(range(33, 193))
+    assert side[64] == list(range(33, 513))              # the op's rule runs one-shot at r 64
+    for pairs in (1, 8, 16, 32, 193, 1024, 65536):
         for rank in (0, 16, 64, 128, 256):
             for n_out in (None, 768, 1408, 2048):
-                if not (17 <= pairs <= 192 and 0 < rank < 64 or 12 <= pairs <= 512 and rank >= 64):
+                if not (33 <= pairs <= 192 and 0 < rank < 64 or 33 <= pairs <= 512 and rank >= 64):
                     assert choose_side_path(pairs, 64, 4, rank, n_out) == choose_path(pairs, 64, 4, rank, n_out)
+
+
+def test_one_shot_beside_the_base_gemms_keeps_few_programs():
+    """On the side stream one-shot splits N only until an op has ``SIDE_PROGRAMS`` programs, up to
+    ``SIDE_FEW_PAIRS`` pairs; past them, and for every other path, the side stream gets the op's tiles."""
+    from moelora_lab.dispatch import MAX_EXPAND_COLUMNS, SIDE_FEW_PAIRS, SIDE_PROGRAMS
+
+    def programs(cfg, pairs, slices):
+        return (pairs // cfg.block_m + pairs) * slices * cfg.n_chunks      # the rule's count of blocks
+
+    for rank in (16, 64):
+        for n_out, slices in OUTPUTS:
+            for pairs in (1, 8, 16, 24, SIDE_FEW_PAIRS):
+                alone = gpu_config("one_shot", pairs, pairs, n_out, slices, 132, rank=rank)
+                side = gpu_config("one_shot", pairs, pairs, n_out, slices, 132, rank=rank, side_stream=True)
+                assert side.replace(n_chunks=1, block_n=128) == alone.replace(n_chunks=1, block_n=128)
+                assert side.n_chunks <= alone.n_chunks
+                # enough programs (or a chunk per column tile), and one chunk fewer would not be enough
+                assert programs(side, pairs, slices) >= SIDE_PROGRAMS or side.n_chunks == -(-n_out // side.block_n)
+                assert (side.n_chunks == 1 or programs(side, pairs, slices) // side.n_chunks * (side.n_chunks - 1) < SIDE_PROGRAMS
+                        or side.n_chunks == -(-n_out // MAX_EXPAND_COLUMNS))      # the expand's column cap
+            for pairs, path in ((SIDE_FEW_PAIRS + 1, "one_shot"), (16, "two_kernel"), (16, "small_batch")):
+                assert gpu_config(path, pairs, pairs, n_out, slices, 132, rank=rank, side_stream=True) == gpu_config(
+                    path, pairs, pairs, n_out, slices, 132, rank=rank)
+    # the probe's cases (qwen3-30b-a3b's w13 and w2 at r 64): 16 pairs 2 and 4 chunks, 32 pairs 1 and 2
+    assert [gpu_config("one_shot", p, p, n, s, 132, rank=64, side_stream=True).n_chunks
+            for p in (16, 32) for n, s in ((768, 2), (2048, 1))] == [2, 4, 1, 2]

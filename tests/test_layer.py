@@ -156,11 +156,11 @@ def test_plan_picks_the_lora_path_by_the_real_ranks(device):
 
 
 def test_a_plan_for_two_streams_picks_the_path_by_the_side_stream_rule(device):
-    """18 pairs at r 8: one-shot on one stream (``choose_path``), two kernels beside the base GEMMs
+    """40 pairs at r 8: one-shot on one stream (``choose_path``), two kernels beside the base GEMMs
     (``choose_side_path``); ``auto`` plans for two streams where it runs them (on a GPU)."""
     from moelora_lab.dispatch import choose_path, choose_side_path
 
-    p = problem(device, seed=5)
+    p = problem(device, M=20, seed=5)
     E, I, P = SHAPE.num_experts, SHAPE.intermediate, p.topk_ids.numel()
     assert choose_path(P, E, 3, 8, I) == "one_shot" and choose_side_path(P, E, 3, 8, I) == "two_kernel"
     paths = {s: plan_layer(p.topk_ids, p.token_lora, E, 3, 8, intermediate=I, schedule=s).lora_path
@@ -172,6 +172,29 @@ def test_a_plan_for_two_streams_picks_the_path_by_the_side_stream_rule(device):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)          # CPU: two streams run as one
             close(moe_lora_layer(**p.layer_inputs(), schedule=s), ref, torch.float32)
+
+
+def test_two_streams_ask_for_the_side_streams_one_shot_tiles(device, monkeypatch):
+    """With two streams the layer asks the tile rule for one-shot's side-stream tiles (``side_stream``: fewer
+    programs beside the base GEMMs) for w13 (I columns, 2 slices) and w2 (H, 1); on one stream, or with two
+    kernels, it leaves the tiles to the op."""
+    import moelora_lab.layer as layer_module
+
+    asked = []
+    rule, streams = layer_module.choose_config, layer_module.Streams
+    monkeypatch.setattr(layer_module, "choose_config", lambda *a, **kw: asked.append((a[0], a[3], a[4], kw)) or rule(*a, **kw))
+    # the schedule as asked, its launches on one stream (the CPU has no streams; on a GPU the same kernels)
+    monkeypatch.setattr(layer_module, "resolve_schedule", lambda schedule, device, **kw: schedule)
+    monkeypatch.setattr(layer_module, "Streams", lambda dual, *a, **kw: streams(False, *a, **kw))
+    p = problem(device, seed=5)
+    ref = ml.moe_layer_reference(**p.layer_inputs())
+    P, H, I = p.topk_ids.numel(), SHAPE.hidden, SHAPE.intermediate
+    for schedule, path in (("sequential", "one_shot"), ("dual_stream", "one_shot"), ("dual_stream", "two_kernel")):
+        asked.clear()
+        close(moe_lora_layer(**p.layer_inputs(), schedule=schedule, lora_path=path), ref, torch.float32)
+        side = schedule == "dual_stream" and path == "one_shot"
+        assert asked == ([("one_shot", I, 2, dict(rank=8, side_stream=True)),
+                          ("one_shot", H, 1, dict(rank=8, side_stream=True))] if side else []), (schedule, path, P)
 
 
 def test_plan_is_reused_and_validated(device):

@@ -20,6 +20,9 @@ def test_fingerprint_follows_every_rule(monkeypatch):
     monkeypatch.setattr(dispatch, "MAX_EXPAND_COLUMNS", 2048)
     assert config_fingerprint() != before                     # a tile rule moved
     monkeypatch.undo()
+    monkeypatch.setattr(dispatch, "SIDE_PROGRAMS", dispatch.SIDE_PROGRAMS * 2)
+    assert config_fingerprint() != before                     # the side stream's tiles moved
+    monkeypatch.undo()
     from moelora_lab import moe
     monkeypatch.setattr(moe, "gpu_gemm_tiles", lambda per_expert, lora=False: dict(BLOCK_M=16))
     assert config_fingerprint() != before                     # the base GEMM's tiles moved

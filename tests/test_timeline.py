@@ -93,16 +93,21 @@ def test_committed_h200_traces():
 
 def test_stage_model_tiles_by_hand():
     """M = 1, r = 16 on 132 SMs: 8 pairs in 8 (adapter, expert) groups, one pair each: decode tiles, narrow
-    rank (2 warps; at most 16 pairs: BLOCK_K 512); 8 blocks x 2 slices want ceil(528 / 16) = 33 programs each, more than the
-    6 128-wide tiles of N = 768, so BLOCK_N 64 and min(33, 12) = 12 chunks; w2 (N = 2048, one slice):
-    ceil(528 / 8) = 66 wanted, min(66, 32) = 32 chunks. Base GEMMs: 8/128 pairs per expert, 16 x 128 x 128."""
+    rank (2 warps; at most 16 pairs: BLOCK_K 512). On one stream 8 blocks x 2 slices want ceil(528 / 16) = 33
+    programs each, more than the 6 128-wide tiles of N = 768, so BLOCK_N 64 and min(33, 12) = 12 chunks; w2
+    (N = 2048, one slice): ceil(528 / 8) = 66 wanted, min(66, 32) = 32 chunks. On the side stream (at most 32
+    pairs) 64 programs per op: w13 ceil(64 / 16) = 4 chunks, w2 ceil(64 / 8) = 8, both of 128 columns.
+    Base GEMMs: 8/128 pairs per expert, 16 x 128 x 128."""
     meta = dict(preset="qwen3-30b-a3b", M=1, rank=16, loras=4, schedule="dual_stream", lora_path="one_shot")
     model = stage_model(meta)
+    alone = stage_model(dict(meta, schedule="sequential"))
     assert list(model) == ["base_w13", "lora_w13", "act", "base_w2", "lora_w2", "sum"]
     lora = dict(block_m=16, block_n=64, block_k=512, max_block_r=128, num_warps=2, num_stages=3, BLOCK_R=16,
                 RANK_TILES=1)
-    assert model["lora_w13"]["tiles"] == dict(lora, n_chunks=12) and model["lora_w13"]["kernel"] == "one_shot_kernel"
-    assert model["lora_w2"]["tiles"] == dict(lora, n_chunks=32)
+    assert alone["lora_w13"]["tiles"] == dict(lora, n_chunks=12) and model["lora_w13"]["kernel"] == "one_shot_kernel"
+    assert alone["lora_w2"]["tiles"] == dict(lora, n_chunks=32)
+    assert model["lora_w13"]["tiles"] == dict(lora, block_n=128, n_chunks=4)
+    assert model["lora_w2"]["tiles"] == dict(lora, block_n=128, n_chunks=8)
     assert model["base_w2"]["tiles"] == dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3,
                                              W_TMA="auto")
     assert model["act"]["tiles"] == {} and model["sum"]["kernel"] == "topk_sum_kernel"

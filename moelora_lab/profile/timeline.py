@@ -146,9 +146,10 @@ def _lora_weights(t: Traffic) -> Traffic:
     return Traffic(nbytes, 0, 0, 0, (("lora_weights", nbytes),))
 
 
-def _lora_tiles(path: str, P: int, groups: int, n_out: int, slices: int, sms: int, r: int) -> dict:
+def _lora_tiles(path: str, P: int, groups: int, n_out: int, slices: int, sms: int, r: int, *,
+                side_stream: bool = False) -> dict:
     """The set fields of a LoRA launch's ``KernelConfig`` on the GPU, with its BLOCK_R and RANK_TILES."""
-    cfg = gpu_config(path, P, groups, n_out, slices, sms, rank=r)
+    cfg = gpu_config(path, P, groups, n_out, slices, sms, rank=r, side_stream=side_stream)
     block_r, rank_tiles = cfg.rank_tiling(r)
     return dict({key: v for key, v in vars(cfg).items() if v is not None}, BLOCK_R=block_r, RANK_TILES=rank_tiles)
 
@@ -165,8 +166,8 @@ def stage_model(meta: dict, *, sms: int = H200_SMS) -> dict[str, dict]:
     w2+lora the base GEMM's plus B and T read.
     tiles: ``gpu_gemm_tiles(P / E)`` for the base GEMMs (``lora=True`` and BLOCK_LR for the fused ones);
     for the LoRA ops the ``KernelConfig`` of ``gpu_config(path, P, groups, N, S, sms, rank=r)`` (w13:
-    N = I, S = 2; w2: N = H, S = 1) with its BLOCK_R and RANK_TILES; unset fields (None) left out; none for
-    act and sum (the row-wise kernels have no tile rule). ``sms``: the GPU's SMs (132 on an NVIDIA H200).
+    N = I, S = 2; w2: N = H, S = 1; ``side_stream`` for the dual_stream schedule) with its BLOCK_R and
+    RANK_TILES; unset fields (None) left out; none for act and sum (the row-wise kernels have no tile rule). ``sms``: the GPU's SMs (132 on an NVIDIA H200).
     """
     if not isinstance(meta, dict):
         raise TypeError(f"meta: expected a dict (a trace's 'meta'), got {type(meta).__name__}")
@@ -207,7 +208,7 @@ def stage_model(meta: dict, *, sms: int = H200_SMS) -> dict[str, dict]:
         groups = P if path == "small_batch" else min(P, L * E)
         tiles = {"base_w13": gpu_gemm_tiles(P / E), "base_w2": gpu_gemm_tiles(P / E)}
         for stage, n_out, slices in (("lora_w13", I, 2), ("lora_w2", H, 1)):
-            tiles[stage] = _lora_tiles(path, P, groups, n_out, slices, sms, r)
+            tiles[stage] = _lora_tiles(path, P, groups, n_out, slices, sms, r, side_stream=schedule == "dual_stream")
     kernels = {"base_gemm": "moe_gemm_kernel", "fused_gemm": "moe_gemm_kernel (with LoRA)",
                "shrink_w13": "shrink_kernel", "shrink_w2": "shrink_kernel",
                "lora": LORA_KERNELS.get(path, path), "act": "silu_and_mul_kernel", "sum": "topk_sum_kernel"}

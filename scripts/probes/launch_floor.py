@@ -64,7 +64,7 @@ def chain(buf: torch.Tensor, launches: int, pdl: bool) -> None:
 
 def main(out: str, tokens: list[int], command: str) -> None:
     prov = timing.provenance(command)
-    dev = device()
+    dev = torch.device(device())
     pdl = chained_launches(dev)
     shape = MoEShape.from_name("qwen3-30b-a3b")
     E, H, I, L, rank = shape.num_experts, shape.hidden, shape.intermediate, 4, 16
