@@ -207,9 +207,9 @@ SIDE_TWO_KERNEL_MIN_PAIRS = 33      # below r 64 (measured at r 16)
 SIDE_TWO_KERNEL_MAX_PAIRS = 192
 SIDE_WIDE_RANK = 64                 # from this rank (measured at r 64) ...
 SIDE_WIDE_RANK_MIN_PAIRS = 33       # ... two kernels from 33 pairs
+SIDE_WIDE_RANK_MAX_PAIRS = 512      # ... up to the largest case measured beside the base GEMMs (64 tokens)
 SIDE_FEW_PAIRS = 32                 # one-shot on the side stream up to this many pairs ...
 SIDE_PROGRAMS = 64                  # ... splits N until each op has this many programs
-SIDE_WIDE_RANK_MAX_PAIRS = 512      # ... up to the largest case measured beside the base GEMMs (64 tokens)
 
 
 def choose_side_path(num_pairs: int, num_experts: int, num_loras: int, rank: int, n_out: int | None = None) -> str:

@@ -114,7 +114,8 @@ def test_one_shot_beside_the_base_gemms_keeps_few_programs():
                 assert side.n_chunks <= alone.n_chunks
                 # enough programs (or a chunk per column tile), and one chunk fewer would not be enough
                 assert programs(side, pairs, slices) >= SIDE_PROGRAMS or side.n_chunks == -(-n_out // side.block_n)
-                assert (side.n_chunks == 1 or programs(side, pairs, slices) // side.n_chunks * (side.n_chunks - 1) < SIDE_PROGRAMS
+                one_fewer = programs(side, pairs, slices) // side.n_chunks * (side.n_chunks - 1)
+                assert (side.n_chunks == 1 or one_fewer < SIDE_PROGRAMS
                         or side.n_chunks == -(-n_out // MAX_EXPAND_COLUMNS))      # the expand's column cap
             for pairs, path in ((SIDE_FEW_PAIRS + 1, "one_shot"), (16, "two_kernel"), (16, "small_batch")):
                 assert gpu_config(path, pairs, pairs, n_out, slices, 132, rank=rank, side_stream=True) == gpu_config(

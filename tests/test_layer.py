@@ -182,7 +182,8 @@ def test_two_streams_ask_for_the_side_streams_one_shot_tiles(device, monkeypatch
 
     asked = []
     rule, streams = layer_module.choose_config, layer_module.Streams
-    monkeypatch.setattr(layer_module, "choose_config", lambda *a, **kw: asked.append((a[0], a[3], a[4], kw)) or rule(*a, **kw))
+    monkeypatch.setattr(layer_module, "choose_config",
+                        lambda *a, **kw: asked.append((a[0], a[3], a[4], kw)) or rule(*a, **kw))
     # the schedule as asked, its launches on one stream (the CPU has no streams; on a GPU the same kernels)
     monkeypatch.setattr(layer_module, "resolve_schedule", lambda schedule, device, **kw: schedule)
     monkeypatch.setattr(layer_module, "Streams", lambda dual, *a, **kw: streams(False, *a, **kw))

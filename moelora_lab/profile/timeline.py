@@ -167,7 +167,8 @@ def stage_model(meta: dict, *, sms: int = H200_SMS) -> dict[str, dict]:
     tiles: ``gpu_gemm_tiles(P / E)`` for the base GEMMs (``lora=True`` and BLOCK_LR for the fused ones);
     for the LoRA ops the ``KernelConfig`` of ``gpu_config(path, P, groups, N, S, sms, rank=r)`` (w13:
     N = I, S = 2; w2: N = H, S = 1; ``side_stream`` for the dual_stream schedule) with its BLOCK_R and
-    RANK_TILES; unset fields (None) left out; none for act and sum (the row-wise kernels have no tile rule). ``sms``: the GPU's SMs (132 on an NVIDIA H200).
+    RANK_TILES; unset fields (None) left out; none for act and sum (the row-wise kernels have no tile
+    rule). ``sms``: the GPU's SMs (132 on an NVIDIA H200).
     """
     if not isinstance(meta, dict):
         raise TypeError(f"meta: expected a dict (a trace's 'meta'), got {type(meta).__name__}")

@@ -104,5 +104,6 @@ if __name__ == "__main__":
                         help="tiles: one field changed at a time (VARIANTS); chunks: each op's N chunks (CHUNKS); "
                              "paths: both paths and one-shot at few chunks (PATHS)")
     args = parser.parse_args()
-    main(os.environ.get("OUT", "/tmp"), args.tokens, args.ranks, {"tiles": VARIANTS, "chunks": CHUNKS, "paths": PATHS}[args.variants],
+    chosen = {"tiles": VARIANTS, "chunks": CHUNKS, "paths": PATHS}[args.variants]
+    main(os.environ.get("OUT", "/tmp"), args.tokens, args.ranks, chosen,
          " ".join(["probe: python scripts/probes/side_tiles.py", *sys.argv[1:]]))
