@@ -64,10 +64,10 @@ def test_kernels_and_align_pipeline(cpu_bench, tmp_path):
 
 
 def test_layer_side_path_variant(cpu_bench, tmp_path):
-    """``dual_stream_side`` runs two streams from a plan made for them: at 24 pairs and r 8 the side
+    """``dual_stream_side`` runs two streams from a plan made for them: at 40 pairs and r 8 the side
     stream's rule takes two kernels where the shared one-stream plan runs one-shot."""
     with pytest.warns(RuntimeWarning, match="on the CPU the layer runs sequentially"):
-        assert cli.main(["layer", "--presets", "tiny", "--tokens", "12", "--ranks", "8", "--dtype", "float32",
+        assert cli.main(["layer", "--presets", "tiny", "--tokens", "20", "--ranks", "8", "--dtype", "float32",
                          "--variants", "no_lora", "dual_stream", "dual_stream_side", "--trace-tokens", "0",
                          "--name", "side", "--out", str(tmp_path)]) == 0
     rows = {r["variant"]: r for r in read_csv(tmp_path / "side.csv")}
