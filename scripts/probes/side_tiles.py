@@ -1,11 +1,12 @@
 """Probe: the two-stream layer at one to four tokens with the side stream's LoRA tiles varied, w13 and w2 apart.
 
-The layer (qwen3-30b-a3b, bf16, 4 adapters, r 16 and 64) from a plan made for two streams, its LoRA launched
-with the tiles ``dispatch.gpu_config`` gives, or with one field changed for one op (``VARIANTS``); every
+The layer (qwen3-30b-a3b unless ``--presets`` says otherwise, bf16, 4 adapters, r 16 and 64) from a plan made for
+two streams, its LoRA launched with the tiles ``dispatch.gpu_config`` gives, or with one field changed for one op (``VARIANTS``); every
 variant checked against the rule's output, then all of a case and the layer without LoRA timed in
 interleaved rounds. On a GPU, from the repository root:
 
-    PYTHONPATH=. OUT=/tmp/probe python scripts/probes/side_tiles.py [--tokens 1 2 4] [--ranks 16 64] [--variants paths]
+    PYTHONPATH=. OUT=/tmp/probe python scripts/probes/side_tiles.py [--presets deepseek-v2-lite] [--tokens 1 2 4] \
+        [--ranks 16 64] [--variants paths]
 
 writes ``$OUT/side_tiles.csv``; its ``command`` starts with ``probe:`` (see data/history/README.md).
 """
@@ -49,11 +50,20 @@ def _gpu_config(path, num_pairs, num_groups, n_out, num_slices, sms, *, rank=Non
     return cfg.replace(**change) if change else cfg
 
 
-def main(out: str, tokens: list[int], ranks: list[int], variants: dict, command: str) -> None:
+def main(out: str, presets: list[str], tokens: list[int], ranks: list[int], variants: dict, command: str) -> None:
     dispatch.gpu_config = _gpu_config
     prov = timing.provenance(command)
+    rows = [row for preset in presets for row in measure(preset, tokens, ranks, variants, prov)]
+    with open(os.path.join(out, "side_tiles.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def measure(preset: str, tokens: list[int], ranks: list[int], variants: dict, prov: dict) -> list[dict]:
+    """The rows of one preset: every case's variants and the layer without LoRA."""
     gen = seeded_generator(0)
-    shape = MoEShape.from_name("qwen3-30b-a3b")
+    shape = MoEShape.from_name(preset)
     E, H, I, L = shape.num_experts, shape.hidden, shape.intermediate, 4
     w13, w2 = base_weights(shape, gen, torch.bfloat16)
     rows = []
@@ -90,14 +100,12 @@ def main(out: str, tokens: list[int], ranks: list[int], variants: dict, command:
                                  us_p80=round(t.p80_us, 2),
                                  over_no_lora=round(t.median_us / timed["no_lora"].median_us, 4), **prov))
                 print(rank, M, path, variant, rows[-1]["us_median"], rows[-1]["over_no_lora"], flush=True)
-    with open(os.path.join(out, "side_tiles.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    return rows
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", nargs="+", default=["qwen3-30b-a3b"])
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 2, 4])
     parser.add_argument("--ranks", nargs="+", type=int, default=[16, 64])
     parser.add_argument("--variants", choices=["tiles", "chunks", "paths"], default="tiles",
@@ -105,5 +113,5 @@ if __name__ == "__main__":
                              "paths: both paths and one-shot at few chunks (PATHS)")
     args = parser.parse_args()
     chosen = {"tiles": VARIANTS, "chunks": CHUNKS, "paths": PATHS}[args.variants]
-    main(os.environ.get("OUT", "/tmp"), args.tokens, args.ranks, chosen,
+    main(os.environ.get("OUT", "/tmp"), args.presets, args.tokens, args.ranks, chosen,
          " ".join(["probe: python scripts/probes/side_tiles.py", *sys.argv[1:]]))
