@@ -20,7 +20,6 @@ On a GPU, from the repository root:
 writes ``$OUT/launch_floor.csv``; its ``command`` starts with ``probe:`` (see data/history/README.md).
 """
 import argparse
-import csv
 import os
 import sys
 
@@ -34,6 +33,7 @@ from moelora_lab.bench.common import device, sweep_routing
 from moelora_lab.config import MoEShape
 from moelora_lab.layer import plan_layer
 from moelora_lab.profile import timing
+from moelora_lab.results import write_csv
 
 
 @triton.jit
@@ -93,10 +93,7 @@ def main(out: str, tokens: list[int], command: str) -> None:
                              pdl=int(pdl), us_median=round(t.median_us, 2), us_p20=round(t.p20_us, 2),
                              us_p80=round(t.p80_us, 2), **prov))
             print(M, name, rows[-1]["us_median"], flush=True)
-    with open(os.path.join(out, "launch_floor.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(rows, os.path.join(out, "launch_floor.csv"))
 
 
 if __name__ == "__main__":

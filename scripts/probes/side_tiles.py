@@ -11,7 +11,6 @@ interleaved rounds. On a GPU, from the repository root:
 writes ``$OUT/side_tiles.csv``; its ``command`` starts with ``probe:`` (see data/history/README.md).
 """
 import argparse
-import csv
 import os
 import sys
 
@@ -22,6 +21,7 @@ from moelora_lab.bench.common import base_weights, device, seeded_generator, swe
 from moelora_lab.config import MoEShape, layer_lora_weights
 from moelora_lab.layer import moe_lora_layer, plan_layer
 from moelora_lab.profile import timing
+from moelora_lab.results import write_csv
 
 VARIANTS = {"rule": {},
             "w2_c16_n128": {"w2": dict(n_chunks=16, block_n=128)},
@@ -54,10 +54,7 @@ def main(out: str, presets: list[str], tokens: list[int], ranks: list[int], vari
     dispatch.gpu_config = _gpu_config
     prov = timing.provenance(command)
     rows = [row for preset in presets for row in measure(preset, tokens, ranks, variants, prov)]
-    with open(os.path.join(out, "side_tiles.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(rows, os.path.join(out, "side_tiles.csv"))
 
 
 def measure(preset: str, tokens: list[int], ranks: list[int], variants: dict, prov: dict) -> list[dict]:
