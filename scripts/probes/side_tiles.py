@@ -39,13 +39,17 @@ PATHS = {"rule": {}, "two_kernel": {"path": "two_kernel"}, "one_shot": {"path": 
          **{f"one_shot_c{a}_{b}": {"path": "one_shot", "w13": dict(n_chunks=a, block_n=128),
                                    "w2": dict(n_chunks=b, block_n=128)}
             for a, b in ((1, 2), (1, 4), (2, 4), (2, 8), (3, 8), (6, 16))}}
+# --variants border: the side rule's path beside both paths (one-shot with the side stream's own chunks, and
+# with 4 w13 and 8 w2 chunks of 128 columns)
+BORDER = {"rule": {}, "two_kernel": {"path": "two_kernel"}, "one_shot": {"path": "one_shot"},
+          "one_shot_c4_8": {"path": "one_shot", "w13": dict(n_chunks=4, block_n=128), "w2": dict(n_chunks=8, block_n=128)}}
 _override: dict = {}
 _rule = dispatch.gpu_config
 
 
-def _gpu_config(path, num_pairs, num_groups, n_out, num_slices, sms, *, rank=None):
+def _gpu_config(path, num_pairs, num_groups, n_out, num_slices, sms, *, rank=None, side_stream=False):
     """The rule's tiles, with the active variant's fields for this op (w13: two slices) replaced."""
-    cfg = _rule(path, num_pairs, num_groups, n_out, num_slices, sms, rank=rank)
+    cfg = _rule(path, num_pairs, num_groups, n_out, num_slices, sms, rank=rank, side_stream=side_stream)
     change = _override.get("w13" if num_slices == 2 else "w2")
     return cfg.replace(**change) if change else cfg
 
@@ -105,10 +109,10 @@ if __name__ == "__main__":
     parser.add_argument("--presets", nargs="+", default=["qwen3-30b-a3b"])
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 2, 4])
     parser.add_argument("--ranks", nargs="+", type=int, default=[16, 64])
-    parser.add_argument("--variants", choices=["tiles", "chunks", "paths"], default="tiles",
+    parser.add_argument("--variants", choices=["tiles", "chunks", "paths", "border"], default="tiles",
                         help="tiles: one field changed at a time (VARIANTS); chunks: each op's N chunks (CHUNKS); "
-                             "paths: both paths and one-shot at few chunks (PATHS)")
+                             "paths: both paths and one-shot at few chunks (PATHS); border: both paths (BORDER)")
     args = parser.parse_args()
-    chosen = {"tiles": VARIANTS, "chunks": CHUNKS, "paths": PATHS}[args.variants]
+    chosen = {"tiles": VARIANTS, "chunks": CHUNKS, "paths": PATHS, "border": BORDER}[args.variants]
     main(os.environ.get("OUT", "/tmp"), args.presets, args.tokens, args.ranks, chosen,
          " ".join(["probe: python scripts/probes/side_tiles.py", *sys.argv[1:]]))
