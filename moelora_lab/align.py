@@ -34,6 +34,8 @@ RECOUNT_WARPS = 4
 # Not kept: two launches, a one-byte tally of 128-pair chunks and then placing programs that each scan the
 # whole tally themselves. The repeated scan grows with the pairs in every program: on the H200 the layer's
 # plan of 1024 pairs took 12.4 µs at best (9.0 in three launches), of 4096 pairs 29.6 (10.2).
+# Not kept either: each chunk counted by ``tl.histogram`` in one row store, without the zero fill, barrier and
+# compares (on the H200 the layer's plan of 4096 pairs took 11.2 µs against 10.6, of 65536 pairs 18.6 against 19.5).
 SUB = 128                  # beyond, pairs per chunk: one [SUB, SUB] comparison ranks them; smaller chunks
                            # (more, cheaper programs) while the pairs are few: ``chunk_pairs``
 SCAN_TILE = 4096           # elements of one scan step ([chunks, groups] tile)
@@ -41,8 +43,6 @@ SCAN_GROUPS = 16           # groups per scan program (more programs, fewer steps
                            # plan took 11% less on the H200 than with 64)
 PDL = True                 # chain the three launches by programmatic dependent launch where the GPU can
                            # (``chained_launches``: on the H200 the plan took 0.9-1.5 µs less from 192 to 16384 pairs)
-COUNT_HISTOGRAM = False    # count each chunk's groups with ``tl.histogram`` (one row store) instead of a zero
-                           # fill, a barrier and stores or atomics at its pairs' groups
 TABLE_BLOCKS = 64          # blocks per table program of the placing kernel (each finds its blocks' groups by a
                            # binary search: at 4096 pairs the plan took 15% less on the H200 than with one
                            # [blocks, groups] comparison and 4 blocks per program)
@@ -101,7 +101,7 @@ def _block_tensors_device(topk_ids, token_lora, num_experts: int, lists) -> list
             ranks = torch.empty(NL, n if keep else 1, dtype=torch.int32, device=dev)
             chain = chained_launches(dev)
             count_kernel[(NC, NL)](ids, lora, counts, ranks, n, k, E, NC, *scalars, SUB=sub, GP=GP, RANKS=keep,
-                                   HIST=COUNT_HISTOGRAM, PDL=chain, num_warps=count_warps(n))
+                                   PDL=chain, num_warps=count_warps(n))
             scan_kernel[(GP // GB, NL)](counts, totals, NC, GB=GB, GP=GP, PDL=chain, launch_pdl=chain,
                                         CT=max(1, min(triton.next_power_of_2(NC), SCAN_TILE // GB)))
             place_kernel[(NC + NT, NL)](ids, lora, counts, totals, ranks, *out, n, k, E, NC, *scalars, SUB=sub,
@@ -125,24 +125,23 @@ def chained_launches(device: torch.device) -> bool:
 
 @contextlib.contextmanager
 def construction(*, sort_max_pairs: int | None = None, recount_max_pairs: int | None = None,
-                 chained: bool | None = None, histogram: bool | None = None):
+                 chained: bool | None = None):
     """Inside the block, build block lists another way (to measure what each rule buys): sort in one
     program up to ``sort_max_pairs`` pairs instead of ``SORT_MAX_PAIRS``; recount in one launch up to
     ``recount_max_pairs`` instead of ``RECOUNT_MAX_PAIRS``; chain the three launches or not (``chained``,
-    where the GPU can); count the chunks by histogram or not (``histogram``). None keeps the rule."""
-    global SORT_MAX_PAIRS, RECOUNT_MAX_PAIRS, PDL, COUNT_HISTOGRAM
+    where the GPU can). None keeps the rule."""
+    global SORT_MAX_PAIRS, RECOUNT_MAX_PAIRS, PDL
     for name, value in (("sort_max_pairs", sort_max_pairs), ("recount_max_pairs", recount_max_pairs)):
         if value is not None:
             check_int(name, value, low=0)
-    saved = SORT_MAX_PAIRS, RECOUNT_MAX_PAIRS, PDL, COUNT_HISTOGRAM
+    saved = SORT_MAX_PAIRS, RECOUNT_MAX_PAIRS, PDL
     SORT_MAX_PAIRS = saved[0] if sort_max_pairs is None else sort_max_pairs
     RECOUNT_MAX_PAIRS = saved[1] if recount_max_pairs is None else recount_max_pairs
     PDL = saved[2] if chained is None else bool(chained)
-    COUNT_HISTOGRAM = saved[3] if histogram is None else bool(histogram)
     try:
         yield
     finally:
-        SORT_MAX_PAIRS, RECOUNT_MAX_PAIRS, PDL, COUNT_HISTOGRAM = saved
+        SORT_MAX_PAIRS, RECOUNT_MAX_PAIRS, PDL = saved
 
 
 def sort_warps(padded_pairs: int) -> int:

@@ -203,12 +203,16 @@ def choose_path(num_pairs: int, num_experts: int, num_loras: int, rank: int, n_o
 # against 1.23 of the layer without LoRA at 16 pairs, 1.13 against 1.17 at 24, 1.16 against 1.18 at 32) and was
 # level with them at r 16 (1.05-1.10 against 1.05-1.10); with the op's chunks it was the worst of all there
 # (1.21-1.37). From 48 pairs two kernels were level or ahead, at 8 pairs every chunk count within 1%.
-SIDE_TWO_KERNEL_MIN_PAIRS = 33      # below r 64 (measured at r 16)
+# The same probe on both presets from 12 to 48 pairs (data/history/side_border_869129c18e.csv) moved the
+# border back to 17 pairs: past 16 two kernels won on deepseek-v2-lite at every rank (18 pairs at r 64:
+# 1.15 against 1.24; 24 at r 16: 1.08 against 1.11), and lost on qwen3-30b-a3b at r 64 by at most 3%
+# (24 pairs: 1.18 against 1.14); one-shot kept 12-16 pairs at r 64 (1.14 against 1.22 on deepseek).
+SIDE_TWO_KERNEL_MIN_PAIRS = 17      # below r 64 (measured at r 16)
 SIDE_TWO_KERNEL_MAX_PAIRS = 192
 SIDE_WIDE_RANK = 64                 # from this rank (measured at r 64) ...
-SIDE_WIDE_RANK_MIN_PAIRS = 33       # ... two kernels from 33 pairs
+SIDE_WIDE_RANK_MIN_PAIRS = 17       # ... two kernels from 17 pairs
 SIDE_WIDE_RANK_MAX_PAIRS = 512      # ... up to the largest case measured beside the base GEMMs (64 tokens)
-SIDE_FEW_PAIRS = 32                 # one-shot on the side stream up to this many pairs ...
+SIDE_FEW_PAIRS = 32                 # one-shot on the side stream up to this many pairs (when asked for) ...
 SIDE_PROGRAMS = 64                  # ... splits N until each op has this many programs
 
 

@@ -46,13 +46,12 @@ def test_device_blocks_many_chunks_and_edge_cases(device, monkeypatch, recount_m
     assert torch.all(got.block_lora == -1) and torch.all(got.sorted_pairs == 10)
 
 
-@pytest.fixture(params=["one_launch", "recount", "three_launches", "three_launches_wide", "three_launches_histogram",
-                        "three_launches_wide_histogram"])
+@pytest.fixture(params=["one_launch", "recount", "three_launches", "three_launches_wide"])
 def launches(request, monkeypatch):
     """Every construction: one program per list sorting in registers; one launch whose programs each
     count all pairs (histogram steps of a few pairs, so a chunk's start falls inside one); or count +
-    scan + place (with the chunk size of few pairs, or the widest chunks, used for many pairs; each chunk
-    counted by compares or by a histogram). Table programs of a few blocks, so there are several."""
+    scan + place (with the chunk size of few pairs, or the widest chunks, used for many pairs). Table
+    programs of a few blocks, so there are several."""
     if request.param != "one_launch":
         monkeypatch.setattr(align, "SORT_MAX_PAIRS", 0)
         monkeypatch.setattr(align, "TABLE_BLOCKS", 8)
@@ -63,10 +62,8 @@ def launches(request, monkeypatch):
     if request.param.startswith("three_launches"):
         monkeypatch.setattr(align, "RECOUNT_MAX_PAIRS", 0)
         monkeypatch.setattr(align, "SCAN_TILE", 128)               # the scan then takes several steps
-    if request.param.startswith("three_launches_wide"):
+    if request.param == "three_launches_wide":
         monkeypatch.setattr(align, "chunk_pairs", lambda n: align.SUB)
-    if request.param.startswith("three_launches"):
-        monkeypatch.setattr(align, "COUNT_HISTOGRAM", request.param.endswith("histogram"))
     return request.param
 
 
@@ -159,12 +156,11 @@ def test_construction_switches_the_rule_inside_and_restores_it(device):
     ids, lora, E, L = random_routing(3, device)
     want = block_list(ids, lora, E, L, 16).tensors
     def now():
-        return align.SORT_MAX_PAIRS, align.RECOUNT_MAX_PAIRS, align.PDL, align.COUNT_HISTOGRAM
+        return align.SORT_MAX_PAIRS, align.RECOUNT_MAX_PAIRS, align.PDL
 
     rule = now()
     for how in (dict(sort_max_pairs=0), dict(sort_max_pairs=1 << 20), dict(sort_max_pairs=0, recount_max_pairs=0),
-                dict(recount_max_pairs=1 << 20), dict(chained=False),
-                dict(sort_max_pairs=0, recount_max_pairs=0, histogram=not align.COUNT_HISTOGRAM)):
+                dict(recount_max_pairs=1 << 20), dict(chained=False)):
         with align.construction(**how):
             assert now() != rule
             got = block_list_device(ids, lora, E, L, 16).tensors

@@ -83,17 +83,17 @@ def test_every_rule_tile_against_the_reference(device, path):
 
 
 def test_the_side_stream_rule_takes_two_kernels_where_the_layer_measured_them_faster():
-    """``choose_side_path``: two kernels at 33..192 pairs below r 64 and 33..512 from r 64 (the measured
+    """``choose_side_path``: two kernels at 17..192 pairs below r 64 and 17..512 from r 64 (the measured
     boundaries), else exactly ``choose_path``."""
     from moelora_lab.dispatch import choose_path, choose_side_path
 
     side = {r: [p for p in range(1, 4097) if choose_side_path(p, 128, 4, r, 768) == "two_kernel"] for r in (8, 16, 64)}
-    assert side[16] == side[8] == list(range(33, 193))
-    assert side[64] == list(range(33, 513))              # the op's rule runs one-shot at r 64
-    for pairs in (1, 8, 16, 32, 193, 1024, 65536):
+    assert side[16] == side[8] == list(range(17, 193))
+    assert side[64] == list(range(17, 513))              # the op's rule runs one-shot at r 64
+    for pairs in (1, 8, 16, 17, 32, 193, 1024, 65536):
         for rank in (0, 16, 64, 128, 256):
             for n_out in (None, 768, 1408, 2048):
-                if not (33 <= pairs <= 192 and 0 < rank < 64 or 33 <= pairs <= 512 and rank >= 64):
+                if not (17 <= pairs <= 192 and 0 < rank < 64 or 17 <= pairs <= 512 and rank >= 64):
                     assert choose_side_path(pairs, 64, 4, rank, n_out) == choose_path(pairs, 64, 4, rank, n_out)
 
 

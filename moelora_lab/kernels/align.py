@@ -23,10 +23,9 @@ Up to about 512 pairs: one launch, chunks of SUB pairs in parallel.
                 then places its chunk's pairs or writes its part of the table as place_kernel does:
                 no program waits for another, at the price of reading all n pairs in every program.
 Many pairs: three launches, chunks of SUB pairs in parallel.
-  count_kernel  (NC programs per list)    counts[c, g] = pairs of group g in chunk c (a histogram of the
-                    chunk's groups with HIST, else a [SUB, SUB] compare; with RANKS each pair's place in
-                    its chunk is kept for place_kernel, and without HIST a group's count is the atomic
-                    max of its pairs' places + 1)
+  count_kernel  (NC programs per list)    counts[c, g] = pairs of group g in chunk c ([SUB, SUB] compare;
+                    with RANKS each pair's place in its chunk is kept for place_kernel, and a group's
+                    count is the atomic max of its pairs' places + 1)
   scan_kernel   (GP/GB programs per list) counts[c, g] -> pairs of group g before chunk c, totals[g]
   place_kernel  (NC + NT programs per list) chunk programs scatter their pairs to
                     sorted_pairs[first_block[g]*BS + before[g] + rank in chunk] = p,
@@ -111,8 +110,7 @@ def count_kernel(
     ranks_ptr,         # [NL, n] int32 out (RANKS): each pair's place among its group's pairs in its chunk
     n, top_k, E, num_chunks,
     G0, BS0, B0, P0, BA0, BY0, G1, BS1, B1, P1, BA1, BY1,
-    SUB: tl.constexpr, GP: tl.constexpr, RANKS: tl.constexpr, HIST: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    SUB: tl.constexpr, GP: tl.constexpr, RANKS: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program (chunk, list): how many pairs of each group chunk c holds (zero for the others)."""
     if PDL:
@@ -122,23 +120,17 @@ def count_kernel(
     ii = tl.arange(0, SUB)
     pairs = chunk * SUB + ii
     g = _group_of(topk_ids_ptr, token_lora_ptr, pairs, n, top_k, E, G, by_adapter)
+    earlier = _earlier(g, ii)                                                      # [SUB, SUB] compare
     row = counts_ptr + (lst * num_chunks + chunk).to(tl.int64) * GP
-    if HIST:
-        # the whole row in one store: no zero fill, barrier or atomics
-        if RANKS:
-            tl.store(ranks_ptr + lst.to(tl.int64) * n + pairs, _earlier(g, ii), mask=pairs < n)
-        tl.store(row + tl.arange(0, GP), tl.histogram(g, GP, mask=g < G))
+    tl.store(row + tl.arange(0, GP), tl.zeros((GP,), dtype=tl.int32))
+    tl.debug_barrier()
+    if RANKS:
+        # a group's count is its last pair's place + 1: the largest, so an atomic max leaves it
+        tl.store(ranks_ptr + lst.to(tl.int64) * n + pairs, earlier, mask=pairs < n)
+        tl.atomic_max(row + g, earlier + 1, mask=g < G)
     else:
-        earlier = _earlier(g, ii)                                                  # [SUB, SUB] compare
-        tl.store(row + tl.arange(0, GP), tl.zeros((GP,), dtype=tl.int32))
-        tl.debug_barrier()
-        if RANKS:
-            # a group's count is its last pair's place + 1: the largest, so an atomic max leaves it
-            tl.store(ranks_ptr + lst.to(tl.int64) * n + pairs, earlier, mask=pairs < n)
-            tl.atomic_max(row + g, earlier + 1, mask=g < G)
-        else:
-            count = tl.sum((g[:, None] == g[None, :]).to(tl.int32), 1)             # [SUB, SUB] compare
-            tl.store(row + g, count, mask=(earlier == 0) & (g < G))
+        count = tl.sum((g[:, None] == g[None, :]).to(tl.int32), 1)                 # [SUB, SUB] compare
+        tl.store(row + g, count, mask=(earlier == 0) & (g < G))
 
 
 @triton.jit

@@ -12,9 +12,6 @@ set against the floor its launches alone put under it:
   read_ids                one program that reads the routing ids (cold, M * k ints) and writes their sum
   plan                    ``plan_layer`` for the two-stream layer (qwen3-30b-a3b, 4 adapters, r 16): the
                           layer's base and LoRA block lists in the same launches
-  plan_compare / plan_histogram   the same plan with each chunk counted by compares or by a histogram
-                          (``align.construction(histogram=...)``), where it takes three launches
-  plan_histogram_c64 / _c128      the histogram count with 64 / 128 pairs per chunk (``align.chunk_pairs``)
 
 On a GPU, from the repository root:
 
@@ -23,7 +20,6 @@ On a GPU, from the repository root:
 writes ``$OUT/launch_floor.csv``; its ``command`` starts with ``probe:`` (see data/history/README.md).
 """
 import argparse
-import contextlib
 import os
 import sys
 
@@ -32,7 +28,6 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from moelora_lab import align
 from moelora_lab.align import chained_launches
 from moelora_lab.bench.common import device, sweep_routing
 from moelora_lab.config import MoEShape
@@ -67,19 +62,6 @@ def chain(buf: torch.Tensor, launches: int, pdl: bool) -> None:
         _step[(1,)](buf[i:], buf[i + 1:], FIRST=i == 0, LAST=i == launches - 1, PDL=pdl, launch_pdl=pdl and i > 0)
 
 
-@contextlib.contextmanager
-def built(histogram: bool, chunk: int | None):
-    """Block lists counted by histogram or compares, ``chunk`` pairs per chunk (None: the rule's)."""
-    rule = align.chunk_pairs
-    if chunk is not None:
-        align.chunk_pairs = lambda n: chunk
-    try:
-        with align.construction(histogram=histogram):
-            yield
-    finally:
-        align.chunk_pairs = rule
-
-
 def main(out: str, tokens: list[int], command: str) -> None:
     prov = timing.provenance(command)
     dev = torch.device(device())
@@ -99,16 +81,6 @@ def main(out: str, tokens: list[int], command: str) -> None:
                "read_ids": lambda: _read[(1,)](flat, total, flat.numel(), BLOCK=1024),
                "plan": lambda: plan_layer(ids, tl_, E, L, rank, hidden=H, intermediate=I, schedule="dual_stream",
                                           validate=False)}
-        many = flat.numel() > align.RECOUNT_MAX_PAIRS                    # the three launches
-        for name, hist, chunk in (("plan_compare", False, None), ("plan_histogram", True, None),
-                                  ("plan_histogram_c64", True, 64), ("plan_histogram_c128", True, 128)):
-            if many:
-                fns[name] = lambda hist=hist, chunk=chunk: _plan(ids, tl_, E, L, rank, H, I, hist, chunk)
-        want = [t for b in (fns["plan"]().base_blocks, fns["plan"]().lora_blocks) for t in b.tensors]
-        for name in [n for n in fns if n.startswith("plan_")]:
-            got = fns[name]()
-            if not all(torch.equal(a, b) for a, b in zip([*got.base_blocks.tensors, *got.lora_blocks.tensors], want)):
-                raise RuntimeError(f"M={M} {name}: the block lists differ from the rule's")
         chain(buf, 3, pdl)
         torch.cuda.synchronize()
         if int(buf[3]) != int(buf[0]) + 3:
@@ -122,12 +94,6 @@ def main(out: str, tokens: list[int], command: str) -> None:
                              us_p80=round(t.p80_us, 2), **prov))
             print(M, name, rows[-1]["us_median"], flush=True)
     write_csv(rows, os.path.join(out, "launch_floor.csv"))
-
-
-def _plan(ids, token_lora, E, L, rank, H, I, histogram, chunk):
-    with built(histogram, chunk):
-        return plan_layer(ids, token_lora, E, L, rank, hidden=H, intermediate=I, schedule="dual_stream",
-                          validate=False)
 
 
 if __name__ == "__main__":
