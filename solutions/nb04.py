@@ -26,4 +26,4 @@ _stages = layer_traffic(_qwen, 64, sweep_workload(_qwen, 128), lora_path="one_sh
 window_guess = (_stages["base_w13"].bytes + _stages["lora_w13"].bytes) / 4.25e12 * 1e6
 
 # 04.hidden: section 5's table at M = 2048, rank 16: (base + LoRA alone - window) of both pairs over the LoRA alone
-hidden_guess = ((282.2 + 53.5 - 329.6) + (167.9 + 41.7 - 205.7)) / (53.5 + 41.7)
+hidden_guess = ((281.9 + 54.5 - 323.4) + (167.3 + 41.0 - 199.9)) / (54.5 + 41.0)
