@@ -1,0 +1,45 @@
+"""The probes of ``scripts/probes`` replace the package's functions by name: they must keep up with it.
+
+A probe runs only on a GPU, so nothing else would notice a rule that gained an argument the probe's
+stand-in does not take until the probe fails on the device."""
+import importlib.util
+import inspect
+from pathlib import Path
+
+import pytest
+
+from moelora_lab import dispatch
+
+PROBES = Path(__file__).parent.parent / "scripts" / "probes"
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(f"probe_{name}", PROBES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in PROBES.glob("*.py")))
+def test_every_probe_imports(name):
+    assert load(name).__doc__.startswith("Probe: ")
+
+
+def test_side_tiles_stand_in_takes_what_the_rule_takes():
+    probe = load("side_tiles")
+    assert list(inspect.signature(probe._gpu_config).parameters) == list(inspect.signature(dispatch.gpu_config).parameters)
+    w13, w2 = ("one_shot", 16, 16, 768, 2, 132), ("one_shot", 16, 16, 2048, 1, 132)
+    rule = dispatch.gpu_config(*w13, rank=64, side_stream=True)
+    assert probe._gpu_config(*w13, rank=64, side_stream=True) == rule          # no variant: the rule's tiles
+    probe._override.update(w13=dict(n_chunks=3, block_n=128))
+    try:
+        assert probe._gpu_config(*w13, rank=64, side_stream=True) == rule.replace(n_chunks=3, block_n=128)
+        assert probe._gpu_config(*w2, rank=64, side_stream=True) == dispatch.gpu_config(*w2, rank=64, side_stream=True)
+    finally:
+        probe._override.clear()
+
+
+def test_one_shot_block_m_replaces_names_the_sweep_has():
+    import moelora_lab.bench.kernels_sweep as sweep
+
+    assert callable(sweep._variants) and callable(sweep.save_plots)
