@@ -43,7 +43,6 @@ import torch
 
 from ._backend import INTERPRET, on_device
 from .blocks import LayerPlan
-from .dispatch import choose_config
 from .moe import GemmLoRA, gemm_tiles, moe_gemm, silu_and_mul, topk_sum
 from .layer_in_gemm import buffers, epilogue_layer, fused_layer
 from .layer_in_k import check_in_k, in_k_layer
@@ -187,16 +186,14 @@ def _two_kernel_layer(x, topk_ids, topk_weights, weights, token_lora, w13, w2, l
         alloc = torch.zeros if join == "vllm" else torch.empty       # vLLM's join needs zeroed deltas
         d13 = alloc(M, k, 2 * I, dtype=x.dtype, device=x.device)
         d2 = alloc(M, k, H, dtype=x.dtype, device=x.device)
-        side = dual and path == "one_shot"                 # one-shot's own chunks beside the base GEMMs
-        cfg13, cfg2 = _side_configs(path, P, w13_lora_a, w13_lora_b, w2_lora_b, x.device) if side else (None, None)
 
     fork = streams.fork()                        # x, routing and buffers are ready
     with streams.stage("base_w13", "main"):
         moe_gemm(x, w13, base_blocks, c1, top_k=k, tiles=tiles)
     if with_lora:
         with streams.side("lora_w13", fork):
-            run_lora(x, topk_ids, topk_weights, token_lora, w13_lora_a, w13_lora_b, d13, lora_blocks, path, cfg13,
-                     mul_routed_weight=False, add_inputs=False, lora_ranks=lora_ranks)
+            run_lora(x, topk_ids, topk_weights, token_lora, w13_lora_a, w13_lora_b, d13, lora_blocks, path,
+                     mul_routed_weight=False, add_inputs=False, lora_ranks=lora_ranks, side_stream=dual)
         streams.join()
     delta13 = d13.view(P, 2 * I) if with_lora else None
     with streams.stage("act", "main"):
@@ -209,8 +206,8 @@ def _two_kernel_layer(x, topk_ids, topk_weights, weights, token_lora, w13, w2, l
         moe_gemm(h, w2, base_blocks, c3, top_k=k, topk_weights=weights, tiles=tiles)
     if with_lora:
         with streams.side("lora_w2", fork):
-            run_lora(h, topk_ids, topk_weights, token_lora, w2_lora_a, w2_lora_b, d2, lora_blocks, path, cfg2,
-                     mul_routed_weight=True, add_inputs=False, lora_ranks=lora_ranks)
+            run_lora(h, topk_ids, topk_weights, token_lora, w2_lora_a, w2_lora_b, d2, lora_blocks, path,
+                     mul_routed_weight=True, add_inputs=False, lora_ranks=lora_ranks, side_stream=dual)
         streams.join()
     delta2 = d2.view(P, H) if with_lora else None
     with streams.stage("sum", "main"):
@@ -220,13 +217,3 @@ def _two_kernel_layer(x, topk_ids, topk_weights, weights, token_lora, w13, w2, l
         topk_sum(c3, y, top_k=k, delta=delta2, token_lora=token_lora)
     return y
 
-
-def _side_configs(path, num_pairs, w13_lora_a, w13_lora_b, w2_lora_b, device):
-    """The tiles of w13's and w2's LoRA when they run on the side stream (``dispatch.gpu_config``'s
-    ``side_stream``: fewer one-shot programs beside the base GEMMs)."""
-    L, E, R, _ = w13_lora_a[0].shape
-    groups = min(num_pairs, L * E)
-    return (choose_config(path, num_pairs, groups, w13_lora_b[0].shape[2], len(w13_lora_b), device, rank=R,
-                          side_stream=True),
-            choose_config(path, num_pairs, groups, w2_lora_b[0].shape[2], len(w2_lora_b), device, rank=R,
-                          side_stream=True))

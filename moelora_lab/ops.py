@@ -151,15 +151,16 @@ def moe_lora(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, *, path: str
 
 
 def run_lora(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, output, blocks, path, config=None, *,
-             mul_routed_weight=False, add_inputs=True, lora_ranks=None):
+             mul_routed_weight=False, add_inputs=True, lora_ranks=None, side_stream=False):
     """Launch one path (a key of ``PATHS``) on inputs that were already validated (no host sync).
 
     ``blocks`` is the :class:`BlockList` for paths that use one; ``config=None`` picks tiles from the
-    shapes. Used by :func:`moe_lora` and by the layer, which validates once and shares one BlockList
+    shapes (``side_stream``: the tiles for a launch beside the base GEMMs, on the two-stream layer's side
+    stream). Used by :func:`moe_lora` and by the layer, which validates once and shares one BlockList
     between w13 and w2. Rank 0 is the zero delta on every path.
     """
     call = LoRACall(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, output, blocks, lora_ranks,
-                    mul_routed_weight, add_inputs)
+                    mul_routed_weight, add_inputs, side_stream)
     if lora_a[0].shape[2] == 0:                       # rank 0: nothing to add; owned rows get zeros
         if not add_inputs:
             owned = (token_lora >= 0).view(-1, 1, 1)

@@ -40,6 +40,7 @@ class LoRACall(NamedTuple):
     lora_ranks: torch.Tensor | None  # [L] int32 on x's device
     mul_routed_weight: bool
     add_inputs: bool
+    side_stream: bool = False        # beside the base GEMMs (the two-stream layer): the tile rule's side tiles
 
     @property
     def dims(self):
@@ -109,7 +110,8 @@ def _precision(x) -> str:
 
 def _block_config(call: LoRACall, cfg: KernelConfig | None, path: str) -> KernelConfig:
     M, k, L, E, R, K, N, S = call.dims
-    cfg = cfg or choose_config(path, M * k, min(M * k, L * E), N, S, call.x.device, rank=R)
+    cfg = cfg or choose_config(path, M * k, min(M * k, L * E), N, S, call.x.device, rank=R,
+                               side_stream=call.side_stream)
     return cfg.replace(block_m=call.blocks.block_size)
 
 

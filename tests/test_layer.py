@@ -174,15 +174,16 @@ def test_a_plan_for_two_streams_picks_the_path_by_the_side_stream_rule(device):
             close(moe_lora_layer(**p.layer_inputs(), schedule=s), ref, torch.float32)
 
 
-def test_two_streams_ask_for_the_side_streams_one_shot_tiles(device, monkeypatch):
-    """With two streams the layer asks the tile rule for one-shot's side-stream tiles (``side_stream``: fewer
-    programs beside the base GEMMs) for w13 (I columns, 2 slices) and w2 (H, 1); on one stream, or with two
-    kernels, it leaves the tiles to the op."""
+def test_two_streams_ask_for_the_side_streams_tiles(device, monkeypatch):
+    """With two streams the layer's LoRA launches ask the tile rule for the side stream's tiles (``side_stream``:
+    fewer one-shot programs beside the base GEMMs) for w13 (I columns, 2 slices) and w2 (H, 1), on either path;
+    on one stream they ask for the op's."""
     import moelora_lab.layer as layer_module
+    import moelora_lab.paths as paths_module
 
     asked = []
-    rule, streams = layer_module.choose_config, layer_module.Streams
-    monkeypatch.setattr(layer_module, "choose_config",
+    rule, streams = paths_module.choose_config, layer_module.Streams
+    monkeypatch.setattr(paths_module, "choose_config",
                         lambda *a, **kw: asked.append((a[0], a[3], a[4], kw)) or rule(*a, **kw))
     # the schedule as asked, its launches on one stream (the CPU has no streams; on a GPU the same kernels)
     monkeypatch.setattr(layer_module, "resolve_schedule", lambda schedule, device, **kw: schedule)
@@ -190,12 +191,12 @@ def test_two_streams_ask_for_the_side_streams_one_shot_tiles(device, monkeypatch
     p = problem(device, seed=5)
     ref = ml.moe_layer_reference(**p.layer_inputs())
     P, H, I = p.topk_ids.numel(), SHAPE.hidden, SHAPE.intermediate
-    for schedule, path in (("sequential", "one_shot"), ("dual_stream", "one_shot"), ("dual_stream", "two_kernel")):
+    for schedule, path in (("sequential", "one_shot"), ("dual_stream", "one_shot"), ("dual_stream", "two_kernel"),
+                           ("sequential", "two_kernel")):
         asked.clear()
         close(moe_lora_layer(**p.layer_inputs(), schedule=schedule, lora_path=path), ref, torch.float32)
-        side = schedule == "dual_stream" and path == "one_shot"
-        assert asked == ([("one_shot", I, 2, dict(rank=8, side_stream=True)),
-                          ("one_shot", H, 1, dict(rank=8, side_stream=True))] if side else []), (schedule, path, P)
+        side = dict(rank=8, side_stream=schedule == "dual_stream")
+        assert asked == [(path, I, 2, side), (path, H, 1, side)], (schedule, path, P)
 
 
 def test_plan_is_reused_and_validated(device):
