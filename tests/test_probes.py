@@ -27,7 +27,8 @@ def test_every_probe_imports(name):
 
 def test_side_tiles_stand_in_takes_what_the_rule_takes():
     probe = load("side_tiles")
-    assert list(inspect.signature(probe._gpu_config).parameters) == list(inspect.signature(dispatch.gpu_config).parameters)
+    params = [list(inspect.signature(f).parameters) for f in (probe._gpu_config, dispatch.gpu_config)]
+    assert params[0] == params[1]
     w13, w2 = ("one_shot", 16, 16, 768, 2, 132), ("one_shot", 16, 16, 2048, 1, 132)
     rule = dispatch.gpu_config(*w13, rank=64, side_stream=True)
     assert probe._gpu_config(*w13, rank=64, side_stream=True) == rule          # no variant: the rule's tiles

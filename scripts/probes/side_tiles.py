@@ -1,9 +1,9 @@
 """Probe: the two-stream layer at one to four tokens with the side stream's LoRA tiles varied, w13 and w2 apart.
 
-The layer (qwen3-30b-a3b unless ``--presets`` says otherwise, bf16, 4 adapters, r 16 and 64) from a plan made for
-two streams, its LoRA launched with the tiles ``dispatch.gpu_config`` gives, or with one field changed for one op (``VARIANTS``); every
-variant checked against the rule's output, then all of a case and the layer without LoRA timed in
-interleaved rounds. On a GPU, from the repository root:
+The layer (qwen3-30b-a3b unless ``--presets`` says otherwise, bf16, 4 adapters, r 16 and 64) from a plan made
+for two streams, its LoRA launched with the tiles ``dispatch.gpu_config`` gives, or with fields changed for one op
+(``VARIANTS``, ``CHUNKS``, ``PATHS``, ``BORDER``); every variant checked against the rule's output, then all of a
+case and the layer without LoRA timed in interleaved rounds. On a GPU, from the repository root:
 
     PYTHONPATH=. OUT=/tmp/probe python scripts/probes/side_tiles.py [--presets deepseek-v2-lite] [--tokens 1 2 4] \
         [--ranks 16 64] [--variants paths]
@@ -42,7 +42,8 @@ PATHS = {"rule": {}, "two_kernel": {"path": "two_kernel"}, "one_shot": {"path": 
 # --variants border: the side rule's path beside both paths (one-shot with the side stream's own chunks, and
 # with 4 w13 and 8 w2 chunks of 128 columns)
 BORDER = {"rule": {}, "two_kernel": {"path": "two_kernel"}, "one_shot": {"path": "one_shot"},
-          "one_shot_c4_8": {"path": "one_shot", "w13": dict(n_chunks=4, block_n=128), "w2": dict(n_chunks=8, block_n=128)}}
+          "one_shot_c4_8": {"path": "one_shot", "w13": dict(n_chunks=4, block_n=128),
+                            "w2": dict(n_chunks=8, block_n=128)}}
 _override: dict = {}
 _rule = dispatch.gpu_config
 
