@@ -103,9 +103,20 @@ def _table(block_lora_ptr, block_expert_ptr, sorted_pairs_ptr, b, first, totals,
 
 
 @triton.jit
-def _count_chunk(topk_ids_ptr, token_lora_ptr, counts_ptr, ranks_ptr, chunk, lst, n, top_k, E, num_chunks, G,
-                 by_adapter, SUB: tl.constexpr, GP: tl.constexpr, RANKS: tl.constexpr):
-    """counts[lst, chunk, :] = how many pairs of each group chunk ``chunk`` holds (zero for the others)."""
+def count_kernel(
+    topk_ids_ptr,      # [n] int32/int64 expert of each pair
+    token_lora_ptr,    # [M] int32/int64 adapter of each token, -1 = none
+    counts_ptr,        # [NL, NC, GP] int32 out
+    ranks_ptr,         # [NL, n] int32 out (RANKS): each pair's place among its group's pairs in its chunk
+    n, top_k, E, num_chunks,
+    G0, BS0, B0, P0, BA0, BY0, G1, BS1, B1, P1, BA1, BY1,
+    SUB: tl.constexpr, GP: tl.constexpr, RANKS: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """Program (chunk, list): how many pairs of each group chunk c holds (zero for the others)."""
+    if PDL:
+        gdc_launch_dependents()      # the next kernel's programs may be placed now
+    chunk, lst = tl.program_id(0), tl.program_id(1)
+    G, _, _, _, _, by_adapter = _list(lst, G0, BS0, B0, P0, BA0, BY0, G1, BS1, B1, P1, BA1, BY1)
     ii = tl.arange(0, SUB)
     pairs = chunk * SUB + ii
     g = _group_of(topk_ids_ptr, token_lora_ptr, pairs, n, top_k, E, G, by_adapter)
@@ -123,43 +134,6 @@ def _count_chunk(topk_ids_ptr, token_lora_ptr, counts_ptr, ranks_ptr, chunk, lst
 
 
 @triton.jit
-def count_kernel(
-    topk_ids_ptr,      # [n] int32/int64 expert of each pair
-    token_lora_ptr,    # [M] int32/int64 adapter of each token, -1 = none
-    counts_ptr,        # [NL, NC, GP] int32 out
-    ranks_ptr,         # [NL, n] int32 out (RANKS): each pair's place among its group's pairs in its chunk
-    n, top_k, E, num_chunks,
-    G0, BS0, B0, P0, BA0, BY0, G1, BS1, B1, P1, BA1, BY1,
-    SUB: tl.constexpr, GP: tl.constexpr, RANKS: tl.constexpr, PDL: tl.constexpr = False,
-):
-    """Program (chunk, list): how many pairs of each group chunk c holds (zero for the others)."""
-    if PDL:
-        gdc_launch_dependents()      # the next kernel's programs may be placed now
-    chunk, lst = tl.program_id(0), tl.program_id(1)
-    G, _, _, _, _, by_adapter = _list(lst, G0, BS0, B0, P0, BA0, BY0, G1, BS1, B1, P1, BA1, BY1)
-    _count_chunk(topk_ids_ptr, token_lora_ptr, counts_ptr, ranks_ptr, chunk, lst, n, top_k, E, num_chunks, G,
-                 by_adapter, SUB, GP, RANKS)
-
-
-@triton.jit
-def _scan_columns(counts_ptr, totals_ptr, part, lst, num_chunks, CT: tl.constexpr, GB: tl.constexpr,
-                  GP: tl.constexpr):
-    """Groups part*GB .. +GB of list ``lst``: counts -> pairs in earlier chunks (in place), and totals."""
-    cols = part * GB + tl.arange(0, GB)
-    rows = tl.arange(0, CT)
-    carry = tl.zeros((GB,), dtype=tl.int32)
-    base = counts_ptr + lst.to(tl.int64) * num_chunks * GP
-    for c0 in range(0, num_chunks, CT):
-        ptrs = base + (c0 + rows)[:, None] * GP + cols[None, :]
-        ok = (c0 + rows < num_chunks)[:, None]
-        cnt = tl.load(ptrs, mask=ok, other=0, cache_modifier=".cg")                # [CT, GB]
-        incl = tl.cumsum(cnt, 0)
-        tl.store(ptrs, incl - cnt + carry[None, :], mask=ok)
-        carry += tl.sum(cnt, 0)
-    tl.store(totals_ptr + lst * GP + cols, carry)
-
-
-@triton.jit
 def scan_kernel(
     counts_ptr,        # [NL, NC, GP] int32 in: per-chunk counts; out: pairs of the group in earlier chunks
     totals_ptr,        # [NL, GP] int32 out: pairs of each group
@@ -168,31 +142,21 @@ def scan_kernel(
 ):
     if PDL:
         gdc_wait()                   # until the previous kernel is done and its writes are seen
-    _scan_columns(counts_ptr, totals_ptr, tl.program_id(0), tl.program_id(1), num_chunks, CT, GB, GP)
+    lst = tl.program_id(1)
+    cols = tl.program_id(0) * GB + tl.arange(0, GB)
+    rows = tl.arange(0, CT)
+    carry = tl.zeros((GB,), dtype=tl.int32)
+    base = counts_ptr + lst.to(tl.int64) * num_chunks * GP
+    for c0 in range(0, num_chunks, CT):
+        ptrs = base + (c0 + rows)[:, None] * GP + cols[None, :]
+        ok = (c0 + rows < num_chunks)[:, None]
+        cnt = tl.load(ptrs, mask=ok, other=0)                                      # [CT, GB]
+        incl = tl.cumsum(cnt, 0)
+        tl.store(ptrs, incl - cnt + carry[None, :], mask=ok)
+        carry += tl.sum(cnt, 0)
+    tl.store(totals_ptr + lst * GP + cols, carry)
     if PDL:
         gdc_launch_dependents()      # only now: placing programs that wait beside the scan slowed it on the H200
-
-
-@triton.jit
-def _place_item(topk_ids_ptr, token_lora_ptr, counts_ptr, ranks_ptr, sorted_pairs_ptr, block_lora_ptr,
-                block_expert_ptr, item, lst, totals, n, top_k, E, num_chunks, G, BS, num_blocks, by_adapter,
-                SUB: tl.constexpr, GP: tl.constexpr, BB: tl.constexpr, BSP: tl.constexpr, RANKS: tl.constexpr):
-    """Item < NC: scatter chunk ``item``'s pairs; beyond: write table part ``item - NC`` (pointers of this list)."""
-    blocks, first, used = _blocks(totals, tl.arange(0, GP), G, BS)
-    if item < num_chunks:
-        ii = tl.arange(0, SUB)
-        pairs = item * SUB + ii
-        g = _group_of(topk_ids_ptr, token_lora_ptr, pairs, n, top_k, E, G, by_adapter)
-        before = tl.load(counts_ptr + (lst * num_chunks + item).to(tl.int64) * GP + tl.arange(0, GP),
-                         cache_modifier=".cg")
-        if RANKS:
-            earlier = tl.load(ranks_ptr + lst.to(tl.int64) * n + pairs, mask=pairs < n, other=0)
-        else:
-            earlier = _earlier(g, ii)
-        _scatter(sorted_pairs_ptr, pairs, g, G, BS, first, before, earlier)
-    else:
-        _table(block_lora_ptr, block_expert_ptr, sorted_pairs_ptr, (item - num_chunks) * BB + tl.arange(0, BB),
-               first, totals, used, num_blocks, n, E, BS, GP, BSP)
 
 
 @triton.jit
@@ -215,9 +179,20 @@ def place_kernel(
     G, BS, num_blocks, pairs_at, blocks_at, by_adapter = _list(lst, G0, BS0, B0, P0, BA0, BY0,
                                                                G1, BS1, B1, P1, BA1, BY1)
     totals = tl.load(totals_ptr + lst * GP + tl.arange(0, GP))
-    _place_item(topk_ids_ptr, token_lora_ptr, counts_ptr, ranks_ptr, sorted_pairs_ptr + pairs_at,
-                block_lora_ptr + blocks_at, block_expert_ptr + blocks_at, pid, lst, totals, n, top_k, E, num_chunks,
-                G, BS, num_blocks, by_adapter, SUB, GP, BB, BSP, RANKS)
+    blocks, first, used = _blocks(totals, tl.arange(0, GP), G, BS)
+    if pid < num_chunks:
+        ii = tl.arange(0, SUB)
+        pairs = pid * SUB + ii
+        g = _group_of(topk_ids_ptr, token_lora_ptr, pairs, n, top_k, E, G, by_adapter)
+        before = tl.load(counts_ptr + (lst * num_chunks + pid).to(tl.int64) * GP + tl.arange(0, GP))
+        if RANKS:
+            earlier = tl.load(ranks_ptr + lst.to(tl.int64) * n + pairs, mask=pairs < n, other=0)
+        else:
+            earlier = _earlier(g, ii)
+        _scatter(sorted_pairs_ptr + pairs_at, pairs, g, G, BS, first, before, earlier)
+    else:
+        _table(block_lora_ptr + blocks_at, block_expert_ptr + blocks_at, sorted_pairs_ptr + pairs_at,
+               (pid - num_chunks) * BB + tl.arange(0, BB), first, totals, used, num_blocks, n, E, BS, GP, BSP)
 
 
 @triton.jit
