@@ -19,7 +19,6 @@ import triton
 from ._backend import INTERPRET, on_device
 from .blocks import BlockList, RoutingStamp
 from .kernels.align import count_kernel, place_kernel, recount_kernel, scan_kernel, sort_kernel
-from .kernels.align_tally import place_sums_kernel, tally_kernel
 from .routing import block_tensors, max_blocks
 from .validate import check_int, check_routing
 
@@ -40,6 +39,9 @@ RECOUNT_WARPS = 4
 # Nor one launch whose programs (at most one per SM) count, scan and place in turn with a grid-wide wait (an atomic
 # counter, polled) between the steps: on the H200 two such waits cost more than two chained launch boundaries (7.1-7.6
 # µs against 6.8 for three launches), and the layer's plan of 4096 pairs took 14.4 µs at best against 10.3.
+# Nor two launches, a count that adds to running totals and placing programs that each sum the counts of the chunks
+# before their own (no scan): those sums grow with the chunks, and the plan of 1024 pairs took 9.5 µs against 9.2, of
+# 4096 pairs 16.9 against 10.1.
 SUB = 128                  # beyond, pairs per chunk: one [SUB, SUB] comparison ranks them; smaller chunks
                            # (more, cheaper programs) while the pairs are few: ``chunk_pairs``
 SCAN_TILE = 4096           # elements of one scan step ([chunks, groups] tile)
@@ -47,9 +49,6 @@ SCAN_GROUPS = 16           # groups per scan program (more programs, fewer steps
                            # plan took 11% less on the H200 than with 64)
 PDL = True                 # chain the three launches by programmatic dependent launch where the GPU can
                            # (``chained_launches``: on the H200 the plan took 0.9-1.5 µs less from 192 to 16384 pairs)
-TALLY_MAX_PAIRS = 0        # beyond RECOUNT_MAX_PAIRS, up to here two launches: a count that keeps running totals,
-                           # and placing programs that sum the counts before their chunk (``kernels/align_tally.py``)
-TALLY_TILE = 4096          # counts summed per step by a placing program of the two launches ([rows, chunk] tile)
 TABLE_BLOCKS = 64          # blocks per table program of the placing kernel (each finds its blocks' groups by a
                            # binary search: at 4096 pairs the plan took 15% less on the H200 than with one
                            # [blocks, groups] comparison and 4 blocks per program)
@@ -98,8 +97,6 @@ def _block_tensors_device(topk_ids, token_lora, num_experts: int, lists) -> list
             NC = triton.cdiv(n, RECOUNT_SUB)
             recount_kernel[(NC + NT, NL)](ids, lora, *out, n, k, E, NC, *scalars, SUB=RECOUNT_SUB, HB=HIST_PAIRS,
                                           GP=GP, BB=TABLE_BLOCKS, BSP=BSP, num_warps=RECOUNT_WARPS)
-        elif n <= TALLY_MAX_PAIRS:
-            _launch_tally(ids, lora, out, rows, n, k, E, scalars)
         else:
             GP, BSP, NT = _table_sizes(rows)
             sub = chunk_pairs(n)
@@ -118,36 +115,6 @@ def _block_tensors_device(topk_ids, token_lora, num_experts: int, lists) -> list
     return [(pairs[p: p + B * bs], block_lora[b: b + B], block_expert[b: b + B]) for _, bs, B, p, b, _ in rows]
 
 
-def _launch_tally(ids, lora, out, rows, n, k, E, scalars) -> None:
-    """Two launches: ``tally_kernel`` (counts and running totals), ``place_sums_kernel`` (places)."""
-    NL, dev = len(rows), ids.device
-    GP, BSP, NT = _table_sizes(rows)
-    sub = chunk_pairs(n)
-    NC = triton.cdiv(n, sub)
-    counts = torch.empty(NL, NC, GP, dtype=torch.int32, device=dev)
-    state = tally_state(dev, GP)
-    chain = chained_launches(dev)
-    tally_kernel[(NC, NL)](ids, lora, counts, state, n, k, E, NC, state.shape[1], *scalars, SUB=sub, GP=GP,
-                           PDL=chain, num_warps=count_warps(n))
-    place_sums_kernel[(NC + NT, NL)](ids, lora, counts, state, *out, n, k, E, NC, NC + NT, state.shape[1], *scalars,
-                                     SUB=sub, GP=GP, CT=max(1, min(triton.next_power_of_2(NC), TALLY_TILE // sub)),
-                                     BB=TABLE_BLOCKS, BSP=BSP, PDL=chain, launch_pdl=chain)
-
-
-_TALLY_STATE: dict = {}
-
-
-def tally_state(device: torch.device, groups: int) -> torch.Tensor:
-    """[2, S] int32 zeros on the current stream of ``device``: each list's running totals (``groups`` of them at
-    least) and its ticket, last. ``place_sums_kernel`` leaves them at zero; one state per stream, as two launches
-    at once must not share it."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
-    if key not in _TALLY_STATE or _TALLY_STATE[key].shape[1] < groups + 1:
-        _TALLY_STATE[key] = torch.zeros(2, max(groups, 1024) + 1, dtype=torch.int32, device=device)
-    return _TALLY_STATE[key]
-
-
 def _table_sizes(rows) -> tuple[int, int, int]:
     """GP (groups, padded; pairs left out, group G, are never counted), BSP (block size, padded) and the
     table programs per list, for the lists' (G, BS, B, ...) rows."""
@@ -164,26 +131,23 @@ def chained_launches(device: torch.device) -> bool:
 
 @contextlib.contextmanager
 def construction(*, sort_max_pairs: int | None = None, recount_max_pairs: int | None = None,
-                 tally_max_pairs: int | None = None, chained: bool | None = None):
+                 chained: bool | None = None):
     """Inside the block, build block lists another way (to measure what each rule buys): sort in one
     program up to ``sort_max_pairs`` pairs instead of ``SORT_MAX_PAIRS``; recount in one launch up to
-    ``recount_max_pairs`` instead of ``RECOUNT_MAX_PAIRS``; two launches (running totals) up to
-    ``tally_max_pairs`` instead of ``TALLY_MAX_PAIRS``; chain the launches or not (``chained``, where the GPU
-    can). None keeps the rule."""
-    global SORT_MAX_PAIRS, RECOUNT_MAX_PAIRS, TALLY_MAX_PAIRS, PDL
-    limits = (("sort_max_pairs", sort_max_pairs), ("recount_max_pairs", recount_max_pairs),
-              ("tally_max_pairs", tally_max_pairs))
-    for name, value in limits:
+    ``recount_max_pairs`` instead of ``RECOUNT_MAX_PAIRS``; chain the three launches or not (``chained``,
+    where the GPU can). None keeps the rule."""
+    global SORT_MAX_PAIRS, RECOUNT_MAX_PAIRS, PDL
+    for name, value in (("sort_max_pairs", sort_max_pairs), ("recount_max_pairs", recount_max_pairs)):
         if value is not None:
             check_int(name, value, low=0)
-    saved = SORT_MAX_PAIRS, RECOUNT_MAX_PAIRS, TALLY_MAX_PAIRS, PDL
-    SORT_MAX_PAIRS, RECOUNT_MAX_PAIRS, TALLY_MAX_PAIRS = (old if new is None else new
-                                                         for old, (_, new) in zip(saved, limits))
-    PDL = saved[3] if chained is None else bool(chained)
+    saved = SORT_MAX_PAIRS, RECOUNT_MAX_PAIRS, PDL
+    SORT_MAX_PAIRS = saved[0] if sort_max_pairs is None else sort_max_pairs
+    RECOUNT_MAX_PAIRS = saved[1] if recount_max_pairs is None else recount_max_pairs
+    PDL = saved[2] if chained is None else bool(chained)
     try:
         yield
     finally:
-        SORT_MAX_PAIRS, RECOUNT_MAX_PAIRS, TALLY_MAX_PAIRS, PDL = saved
+        SORT_MAX_PAIRS, RECOUNT_MAX_PAIRS, PDL = saved
 
 
 def sort_warps(padded_pairs: int) -> int:

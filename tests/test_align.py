@@ -46,7 +46,7 @@ def test_device_blocks_many_chunks_and_edge_cases(device, monkeypatch, recount_m
     assert torch.all(got.block_lora == -1) and torch.all(got.sorted_pairs == 10)
 
 
-@pytest.fixture(params=["one_launch", "recount", "three_launches", "three_launches_wide", "two_launches"])
+@pytest.fixture(params=["one_launch", "recount", "three_launches", "three_launches_wide"])
 def launches(request, monkeypatch):
     """Every construction: one program per list sorting in registers; one launch whose programs each
     count all pairs (histogram steps of a few pairs, so a chunk's start falls inside one); or count +
@@ -62,12 +62,6 @@ def launches(request, monkeypatch):
     if request.param.startswith("three_launches"):
         monkeypatch.setattr(align, "RECOUNT_MAX_PAIRS", 0)
         monkeypatch.setattr(align, "SCAN_TILE", 128)               # the scan then takes several steps
-    if request.param == "two_launches":
-        # a count that keeps running totals, then placing programs that sum the counts before their chunk
-        # (several steps of chunk rows)
-        monkeypatch.setattr(align, "RECOUNT_MAX_PAIRS", 0)
-        monkeypatch.setattr(align, "TALLY_MAX_PAIRS", 1 << 30)
-        monkeypatch.setattr(align, "TALLY_TILE", 64)
     if request.param == "three_launches_wide":
         monkeypatch.setattr(align, "chunk_pairs", lambda n: align.SUB)
     return request.param
@@ -118,7 +112,7 @@ def test_more_than_two_lists_is_refused(device):
         align._block_tensors_device(ids, lora, E, [(None, 16)] * 3)
 
 
-@pytest.mark.parametrize("how", ["chained", "unchained", "recount", "two_launches"])
+@pytest.mark.parametrize("how", ["chained", "unchained", "recount"])
 def test_launches_replayed_from_a_cuda_graph_follow_new_routing(device, monkeypatch, how):
     # the plan captured once and replayed on other routing in the same tensors (as a server does): the
     # three launches with and without chaining on the GPU (each kernel must see all of the one before
@@ -127,8 +121,7 @@ def test_launches_replayed_from_a_cuda_graph_follow_new_routing(device, monkeypa
         pytest.skip("CUDA graphs need a GPU")
     monkeypatch.setattr(align, "SORT_MAX_PAIRS", 0)
     monkeypatch.setattr(align, "RECOUNT_MAX_PAIRS", 1 << 20 if how == "recount" else 0)
-    monkeypatch.setattr(align, "PDL", how in ("chained", "two_launches"))
-    monkeypatch.setattr(align, "TALLY_MAX_PAIRS", 1 << 20 if how == "two_launches" else 0)
+    monkeypatch.setattr(align, "PDL", how == "chained")
     g = torch.Generator().manual_seed(21)
     M, E, k, L = 1500, 64, 6, 4
     routings = [(torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(M)]).to(torch.int32),
@@ -163,12 +156,11 @@ def test_construction_switches_the_rule_inside_and_restores_it(device):
     ids, lora, E, L = random_routing(3, device)
     want = block_list(ids, lora, E, L, 16).tensors
     def now():
-        return align.SORT_MAX_PAIRS, align.RECOUNT_MAX_PAIRS, align.TALLY_MAX_PAIRS, align.PDL
+        return align.SORT_MAX_PAIRS, align.RECOUNT_MAX_PAIRS, align.PDL
 
     rule = now()
     for how in (dict(sort_max_pairs=0), dict(sort_max_pairs=1 << 20), dict(sort_max_pairs=0, recount_max_pairs=0),
-                dict(recount_max_pairs=1 << 20), dict(chained=False),
-                dict(sort_max_pairs=0, recount_max_pairs=0, tally_max_pairs=1 << 20)):
+                dict(recount_max_pairs=1 << 20), dict(chained=False)):
         with align.construction(**how):
             assert now() != rule
             got = block_list_device(ids, lora, E, L, 16).tensors
@@ -177,28 +169,7 @@ def test_construction_switches_the_rule_inside_and_restores_it(device):
         with align.construction(sort_max_pairs=0):
             raise RuntimeError("inside")
     assert now() == rule
-    for name in ("sort_max_pairs", "recount_max_pairs", "tally_max_pairs"):
+    for name in ("sort_max_pairs", "recount_max_pairs"):
         with pytest.raises(ValueError, match=name):
             with align.construction(**{name: -1}):
                 pass
-
-
-def test_two_launches_leave_their_totals_at_zero_one_state_per_stream(device, monkeypatch):
-    # the running totals and the ticket are found at zero and left so (no fill launch, so a CUDA graph's
-    # replays find them at zero too); launches on two streams never share them
-    monkeypatch.setattr(align, "SORT_MAX_PAIRS", 0)
-    monkeypatch.setattr(align, "RECOUNT_MAX_PAIRS", 0)
-    monkeypatch.setattr(align, "TALLY_MAX_PAIRS", 1 << 20)
-    ids, lora, E, L = random_routing(4, device)
-    dev = torch.device(device)
-    for _ in range(2):
-        got = block_list_device(ids, lora, E, L, 16).tensors
-        assert all(torch.equal(a, b) for a, b in zip(got, block_list(ids, lora, E, L, 16).tensors))
-        state = align.tally_state(dev, E * L)
-        assert state.shape[1] > E * L and not state.any()
-    wide = align.tally_state(dev, 4096)                       # grows (zeroed) when more groups need it
-    assert wide.shape[1] > 4096 and not wide.any() and align.tally_state(dev, 8) is wide
-    if device == "cuda":
-        with torch.cuda.stream(torch.cuda.Stream()):
-            theirs = align.tally_state(dev, 8)
-        assert theirs.data_ptr() != wide.data_ptr()
