@@ -44,3 +44,10 @@ def test_one_shot_block_m_replaces_names_the_sweep_has():
     import moelora_lab.bench.kernels_sweep as sweep
 
     assert callable(sweep._variants) and callable(sweep.save_plots)
+
+
+
+def test_gemm_rows_finds_the_timing_it_borrows():
+    # gemm_rows imports plan_knobs' timed_rows by name when it runs (from its own folder)
+    assert "from plan_knobs import timed_rows" in (PROBES / "gemm_rows.py").read_text()
+    assert callable(load("plan_knobs").timed_rows)

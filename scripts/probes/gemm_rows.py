@@ -32,6 +32,8 @@ from moelora_lab.results import write_csv
 
 
 def main(out: str, tokens: list[int], command: str) -> None:
+    from plan_knobs import timed_rows       # the same interleaved timing and rows as the plan's probe
+
     prov = timing.provenance(command)
     dev = torch.device(device())
     shape = MoEShape.from_name("qwen3-30b-a3b")
@@ -66,18 +68,12 @@ def main(out: str, tokens: list[int], command: str) -> None:
         weighted = ref2().float() * wflat[order][:, None]
         if not close(fns["w2_random"]()[order].float(), weighted):
             raise RuntimeError(f"M={M}: w2 differs from torch._grouped_mm")
-        torch.cuda.synchronize()
-        timed = timing.time_cuda_interleaved(fns, rounds=3)
-        for name, t in timed.items():
-            if isinstance(t, Exception):
-                raise RuntimeError(f"M={M} {name}: {t!r}") from t
-            rows.append(dict(preset=shape.name, M=M, pairs=P, variant=name, us_median=round(t.median_us, 2),
-                             us_p20=round(t.p20_us, 2), us_p80=round(t.p80_us, 2), **prov))
-            print(M, name, rows[-1]["us_median"], flush=True)
+        rows += timed_rows(fns, f"M={M}", prov, preset=shape.name, M=M, pairs=P)
     write_csv(rows, os.path.join(out, "gemm_rows.csv"))
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", nargs="+", type=int, default=[2048, 8192])
     args = parser.parse_args()

@@ -53,6 +53,19 @@ def _plan(ids, lora, E, L, rank, H, I, knob=None):
     return build
 
 
+def timed_rows(fns: dict, case: str, prov: dict, **fields) -> list[dict]:
+    """The callables ``fns`` timed in interleaved rounds: one row each (``fields``, the variant, its µs, ``prov``)."""
+    torch.cuda.synchronize()
+    rows = []
+    for name, t in timing.time_cuda_interleaved(fns, rounds=3).items():
+        if isinstance(t, Exception):
+            raise RuntimeError(f"{case} {name}: {t!r}") from t
+        rows.append(dict(fields, variant=name, us_median=round(t.median_us, 2), us_p20=round(t.p20_us, 2),
+                         us_p80=round(t.p80_us, 2), **prov))
+        print(case, name, rows[-1]["us_median"], flush=True)
+    return rows
+
+
 def _lists(plan):
     return [t for blocks in (plan.base_blocks, plan.lora_blocks) for t in blocks.tensors]
 
@@ -71,15 +84,8 @@ def main(out: str, tokens: list[int], command: str) -> None:
         for name, fn in fns.items():
             if not all(torch.equal(a, b) for a, b in zip(_lists(fn()), want)):
                 raise RuntimeError(f"M={M} {name}: the plan differs from the rule's")
-        torch.cuda.synchronize()
-        timed = timing.time_cuda_interleaved(fns, rounds=3)
-        for name, t in timed.items():
-            if isinstance(t, Exception):
-                raise RuntimeError(f"M={M} {name}: {t!r}") from t
-            rows.append(dict(preset=shape.name, M=M, pairs=M * shape.top_k, loras=L, rank=rank, variant=name,
-                             pdl=int(align.chained_launches(dev)), us_median=round(t.median_us, 2),
-                             us_p20=round(t.p20_us, 2), us_p80=round(t.p80_us, 2), **prov))
-            print(M, name, rows[-1]["us_median"], flush=True)
+        rows += timed_rows(fns, f"M={M}", prov, preset=shape.name, M=M, pairs=M * shape.top_k, loras=L, rank=rank,
+                           pdl=int(align.chained_launches(dev)))
     write_csv(rows, os.path.join(out, "plan_knobs.csv"))
 
 
