@@ -1,16 +1,19 @@
-"""Probe: does gathering the input rows cost the base GEMM at large M?
+"""Probe: what separates the base GEMMs from torch._grouped_mm at large M: the row gather or the padding?
 
-The base GEMMs read each block's input rows through the routing (``sorted_pairs``: rows scattered over x or h) and
-scatter their output rows back; ``torch._grouped_mm`` is timed on rows already grouped by expert. This probe
-times the rule's base GEMMs (qwen3-30b-a3b, M 2048 and 8192) on the sweep's random routing and on a routing whose
-pairs already come in expert order, with the same number of pairs per expert (pair p goes to expert p // (M k / E),
-so a block's rows are contiguous in h and its tokens consecutive in x), beside ``torch._grouped_mm``, with the
-method of every table (CUDA graphs replayed by ``triton.testing.do_bench``, L2 flushed, interleaved rounds):
+The base GEMMs read each block's input rows through the routing (``sorted_pairs``: rows scattered over x or h),
+scatter their output rows back, and pad each expert's pairs up to whole blocks of BLOCK_M; ``torch._grouped_mm`` is
+timed on rows already grouped by expert and computes exactly the rows each expert has. This probe times the rule's
+base GEMMs (qwen3-30b-a3b, M 2048 and 8192) on the sweep's routing and on a routing whose pairs already come in
+expert order, every expert with the same number of pairs (pair p goes to expert p // (M k / E): a whole number of
+blocks, so no padding, and a block's rows contiguous in h and its tokens consecutive in x), beside
+``torch._grouped_mm``, with the method of every table (CUDA graphs replayed by ``triton.testing.do_bench``, L2
+flushed, interleaved rounds):
 
   <op>_random / <op>_ordered      our GEMM (w13 or w2) on either routing
   <op>_grouped_mm                 ``torch._grouped_mm`` on pre-grouped rows
 
-If the ordered routing is not faster, the gather is not what separates the two at that size. On a GPU, from the
+The ordered routing changes the order and the padding at once: divide each time by the rows the GEMM computes
+(notebook 05, section 4) to tell them apart. On a GPU, from the
 repository root:
 
     PYTHONPATH=. OUT=/tmp/probe python scripts/probes/gemm_rows.py [--tokens 2048 8192]
