@@ -58,6 +58,18 @@ def gpu_gemm_tiles(per_expert: float, *, lora: bool = False) -> dict:
                 num_stages=4, W_TMA="auto")
 
 
+# An expert's last block holds its leftover pairs, on average half a block: with HALF_TAIL the grouped GEMM runs
+# such a block as a tile of BLOCK_M / 2 rows when its pairs end in the first half (so the padding an expert's
+# blocks compute is under half a block), from BLOCK_M = HALF_TAIL_MIN_BLOCK on: Hopper's warp-group MMA takes 64
+# rows at a time, so a half tile of fewer than 64 rows would compute as many rows as the whole one.
+HALF_TAIL_MIN_BLOCK = 128
+
+
+def half_tail(block_m: int) -> bool:
+    """Whether the grouped GEMM runs half tiles for blocks whose second half is padding (``HALF_TAIL``)."""
+    return block_m >= HALF_TAIL_MIN_BLOCK
+
+
 def fused_columns(num_loras: int, rank: int) -> int:
     """BLOCK_LR of the in-GEMM LoRA: the L*r stacked shrink columns, a power of two >= 16."""
     return max(16, triton.next_power_of_2(num_loras * rank))
@@ -71,7 +83,8 @@ def moe_gemm(x: torch.Tensor, w: torch.Tensor, blocks: BlockList, out: torch.Ten
     adapter l. Inputs are trusted (the layer validates them).
 
     x: [M, K] token rows or [P, K] pair rows; w: [E, N, K]; out: [P, N]; topk_weights: [P] fp32 or None.
-    ``tiles`` may add ``W_TMA``: True loads W tiles by TMA bulk copies (a GPU of compute capability 9.0
+    ``tiles`` may add ``HALF_TAIL`` (default :func:`half_tail`: run a block whose second half is padding as a
+    tile of half the rows) and ``W_TMA``: True loads W tiles by TMA bulk copies (a GPU of compute capability 9.0
     or later, or the interpreter; w's rows contiguous, evenly spaced, 16-byte aligned; a ValueError otherwise), "auto"
     (the GPU rule's value) wherever that holds and by pointer elsewhere, False by pointer.
 
@@ -88,6 +101,10 @@ def moe_gemm(x: torch.Tensor, w: torch.Tensor, blocks: BlockList, out: torch.Ten
     if tiles["BLOCK_M"] != blocks.block_size:
         raise ValueError(f"blocks: block size {blocks.block_size} != BLOCK_M {tiles['BLOCK_M']}; build them with "
                          "block_list(..., block_size=gemm_tiles(...)['BLOCK_M'])")
+    half = tiles.pop("HALF_TAIL", half_tail(tiles["BLOCK_M"]))
+    if half not in (True, False) or (half and tiles["BLOCK_M"] % 2):
+        raise ValueError(f"tiles: HALF_TAIL must be True or False (True with an even BLOCK_M), got {half!r} with "
+                         f"BLOCK_M {tiles['BLOCK_M']}")
     tiles, warps, stages, w_tma, w_desc = launch_tiles(tiles, w)
     mul = topk_weights is not None
     if lora is None:
@@ -116,7 +133,7 @@ def moe_gemm(x: torch.Tensor, w: torch.Tensor, blocks: BlockList, out: torch.Ten
             *(t.stride() if t is not None else (0, 0, 0)), x.shape[1], tail_at, tail_off,
             BLOCK_LR=block_lr, TOKEN_ROWS=x.shape[0] != P or top_k == 1, MUL_ROUTED_WEIGHT=mul,
             HAS_LORA=lora is not None, HAS_RANKS=has_ranks, W_TMA=w_tma, T_IN=lora is not None and lora.shrunk is not None,
-            X_TAIL=x_tail is not None,
+            X_TAIL=x_tail is not None, HALF_TAIL=bool(half),
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages, **tiles)
     return out
 

@@ -23,6 +23,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
+SHARED_PER_BLOCK = 227 * 1024      # the most shared memory one program may have on an H100 or H200
 
 
 UNIT_STRIDES = ("stride_xk", "stride_ak", "stride_br", "stride_on", "stride_tr", "stride_wk")
@@ -162,6 +163,15 @@ def main():
                                                                        W_TMA=True), num_warps=8, num_stages=4))
     print(f"moe_gemm 128 x 256, x tail -> {tail_gemm}; without -> {plain_gemm}")
     assert tail_gemm["stack"] == 0, tail_gemm
+    # the same with half tiles for blocks whose second half is padding: the two K loops (128 and 64 rows) must
+    # share the shared memory (their pipelines are never live at once) and not spill
+    for x_tail in (False, True):
+        built = build(base_moe.moe_gemm_kernel, tma, dict(gemm_c, BLOCK_M=128, BLOCK_N=256, GROUP_M=8, BLOCK_LR=16,
+                                                          HAS_LORA=False, HAS_RANKS=False, W_TMA=True, X_TAIL=x_tail,
+                                                          HALF_TAIL=True), num_warps=8, num_stages=4)
+        res, shared = resources(built), built.metadata.shared
+        print(f"moe_gemm 128 x 256 with half tiles, x tail {x_tail} -> {res}, shared {shared} bytes")
+        assert res["stack"] == 0 and shared <= SHARED_PER_BLOCK, (res, shared)
     # the shrink and its GEMM in one launch (in_k_overlap), at the GEMM's largest tiles: w13 (token rows, TMA for W,
     # both slices shrunk from one read) and w2 (pair rows, routing weights, W by pointer)
     overlap = dict(ptrs("h_ptr", "a0_ptr", "a1_ptr", "tail_ptr", "x_ptr", "w_ptr", "out_ptr"), counters_ptr=i32,

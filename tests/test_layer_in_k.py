@@ -143,15 +143,17 @@ def test_w13_gemm_reads_its_last_k_steps_from_the_tail(device):
     ext = pack_w13_in_k(p.w13, p.w13_lora_b)
     t = torch.randn(2, P, LR, device=device)
     plain = plan_layer(p.topk_ids, p.token_lora, SHAPE.num_experts, None, None)
-    out = poisoned((P, 2 * I), torch.float32, device)
-    moe_gemm(p.x, ext, plain.base_blocks, out, top_k=k, tiles=gemm_tiles(P, SHAPE.num_experts), x_tail=t)
     at, e = tail_start(SHAPE.hidden), p.topk_ids.reshape(-1)
     x_pad = torch.nn.functional.pad(p.x, (0, at - SHAPE.hidden)).repeat_interleave(k, 0)
     want = torch.empty(P, 2 * I, device=device)
     for s in range(2):
         rows = torch.cat([x_pad, t[s]], dim=1)                                          # [P, at + LR]
         want[:, s * I:(s + 1) * I] = torch.einsum("pk,pnk->pn", rows, ext[e, s * I:(s + 1) * I])
-    assert_close(out, want, torch.float32)
+    for half in (False, True):      # with HALF_TAIL every block here (a few pairs per expert) runs a half tile
+        out = poisoned((P, 2 * I), torch.float32, device)
+        tiles = dict(gemm_tiles(P, SHAPE.num_experts), HALF_TAIL=half)
+        moe_gemm(p.x, ext, plain.base_blocks, out, top_k=k, tiles=tiles, x_tail=t)
+        assert_close(out, want, torch.float32)
     with pytest.raises(ValueError, match=r"w: expected \[E, N, 128 \+ 24\].*pack_w13_in_k"):
         moe_gemm(p.x, p.w13, plain.base_blocks, out, top_k=k, x_tail=t)
     with pytest.raises(ValueError, match=r"x_tail: expected a tensor \[S, 22, C\]"):

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import moelora_lab as ml
+from moelora_lab import moe
 from moelora_lab.align import make_blocks
 from moelora_lab.moe import GemmLoRA, fused_columns, gemm_tiles, moe_gemm
 from utils import assert_close, poisoned, shrink_spec
@@ -52,6 +53,49 @@ def test_in_gemm_lora_matches_reference(device, dtype, M, rank, kw):
     assert_close(out2, expected(p, h, p.w2, p.w2_lora_a, p.w2_lora_b, True), dtype)
 
 
+def last_blocks_by_half(blocks, num_pairs):
+    """How many experts' last blocks end in their first half, and how many in their second half."""
+    pairs = blocks.sorted_pairs.reshape(blocks.num_blocks, -1).cpu()
+    expert = blocks.block_expert.cpu()
+    last = [b for b in range(blocks.num_blocks) if expert[b] >= 0
+            and (b + 1 == blocks.num_blocks or expert[b + 1] != expert[b])]
+    firsts = sum(int(pairs[b, pairs.shape[1] // 2] >= num_pairs) for b in last)
+    return firsts, len(last) - firsts
+
+
+@pytest.mark.parametrize("with_lora, block_m", [(False, 16), (True, 16), (False, 8)])
+def test_half_tiles_for_blocks_whose_second_half_is_padding(device, block_m, with_lora):
+    """HALF_TAIL: a block whose pairs end in its first half runs a tile of half the rows; every row still
+    written (the output is poisoned) and equal to the reference, with last blocks of both kinds present."""
+    M = 29
+    p = case(device, torch.float32, M, 8, seed=11, no_adapter_fraction=0.3)
+    k, E = SHAPE.top_k, SHAPE.num_experts
+    blocks = make_blocks(p.topk_ids, None, E, 1, block_m)
+    firsts, seconds = last_blocks_by_half(blocks, M * k)
+    assert firsts > 0 and seconds > 0, (firsts, seconds)
+    tl32 = p.token_lora.to(torch.int32)
+    lora13 = GemmLoRA(tl32, p.w13_lora_a, p.w13_lora_b) if with_lora else None
+    zeros13 = [torch.zeros_like(a) for a in p.w13_lora_a]
+    want13 = expected(p, p.x, p.w13, p.w13_lora_a if with_lora else zeros13, p.w13_lora_b, False)
+    h = torch.randn(M * k, SHAPE.intermediate, device=device, dtype=torch.float32)
+    lora2 = GemmLoRA(tl32, p.w2_lora_a, p.w2_lora_b) if with_lora else None
+    zeros2 = [torch.zeros_like(a) for a in p.w2_lora_a]
+    want2 = expected(p, h, p.w2, p.w2_lora_a if with_lora else zeros2, p.w2_lora_b, True)
+    for half in (True, False):
+        tiles = dict(BLOCK_M=block_m, HALF_TAIL=half)
+        assert_close(run(p, p.x, p.w13, lora13, mul=False, **tiles), want13, torch.float32)
+        assert_close(run(p, h, p.w2, lora2, mul=True, **tiles), want2, torch.float32)
+
+
+def test_half_tail_rule_and_its_errors(device):
+    assert [moe.half_tail(bm) for bm in (16, 64, 128, 256)] == [False, False, True, True]
+    p = case(device, torch.float32, 5, 8, seed=1)
+    with pytest.raises(ValueError, match="tiles: HALF_TAIL must be True or False"):
+        run(p, p.x, p.w13, None, mul=False, HALF_TAIL="yes")
+    with pytest.raises(ValueError, match="True with an even BLOCK_M"):
+        run(p, p.x, p.w13, None, mul=False, BLOCK_M=5, HALF_TAIL=True)
+
+
 @pytest.mark.parametrize("with_lora", [False, True])
 @pytest.mark.parametrize("tiles", [{}, dict(BLOCK_N=32, BLOCK_K=16)])
 def test_w_tiles_by_tma_match_reference(device, with_lora, tiles):
@@ -73,7 +117,6 @@ def test_w_tiles_by_tma_match_reference(device, with_lora, tiles):
 def test_w_tma_auto_loads_by_tma_where_it_can(device):
     """W_TMA="auto" (the GPU rule's value): TMA bulk copies where the GPU and the weight allow them,
     pointer loads elsewhere, the same result either way; a value the launcher does not know is refused."""
-    from moelora_lab import moe
     p = case(device, torch.float16, 6, 8, seed=5)
     strided = p.w13.transpose(1, 2).contiguous().transpose(1, 2)          # same values, K not fastest
     hopper = torch.device(device).type == "cuda" and torch.cuda.get_device_capability()[0] >= 9
@@ -102,7 +145,6 @@ def test_w_tma_refuses_a_strided_weight(device):
 def test_a_column_slice_of_a_wider_weight_by_tma(device, w_tma):
     """The views ``layer_in_k.pack_in_k`` hands out: rows further apart than K (16-byte aligned). The
     columns past K are NaN, so a tile that read them would fail."""
-    from moelora_lab import moe
     p = case(device, torch.float16, 7, 8, seed=6)
     E, N, K = p.w13.shape
     wide = torch.full((E, N, K + 16), float("nan"), device=device, dtype=torch.float16)

@@ -21,7 +21,7 @@ zero-fill and no separate add pass.
 import triton
 import triton.language as tl
 
-from .common import block_rows, gemm_tile, slice_pointers, slot_rank
+from .common import gemm_tile, rows_at, slice_pointers, slot_rank
 
 
 @triton.jit
@@ -65,6 +65,7 @@ def moe_gemm_kernel(
     W_TMA: tl.constexpr,              # W tiles through the tensor memory accelerator (Hopper and later)
     T_IN: tl.constexpr,               # with HAS_LORA: read the shrink from t_ptr, expand before the K loop
     X_TAIL: tl.constexpr = False,     # K steps from tail_at on read the pair's row of T (LoRA in K), not x
+    HALF_TAIL: tl.constexpr = False,  # a block whose second half is padding runs a BLOCK_M / 2 tile
 ):
     """Program (block, N tile): out[rows, n-tile] = (w *) (X[rows] @ W[e, n-tile]^T + LoRA of each row).
 
@@ -74,19 +75,55 @@ def moe_gemm_kernel(
     rows and columns past the tensor arrive as zeros). With X_TAIL, x is widened by each pair's own
     row of T: one K loop whose steps past tail_at read T (pair rows) instead of x (token rows), by
     switching the rows' offsets, so the LoRA rides the same pipeline (x's columns unit-strided).
+    With HALF_TAIL, the last block of an expert whose pairs end in its first half (its slot BLOCK_M / 2
+    holds the sentinel: a group's pairs fill its blocks from the front) multiplies a tile of half the
+    rows, so the padding rows an expert's last block computes are at most BLOCK_M / 2 - 1, not BLOCK_M - 1.
     """
     block, slice_id, n0 = gemm_tile(tl.program_id(0), N, n_slice, num_blocks, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + block)
     if expert < 0:
         return
-    pairs, valid, x_rows = block_rows(sorted_pairs_ptr, block, num_pairs, top_k, BLOCK_M, TOKEN_ROWS)
+    start = block * BLOCK_M
+    half = False
+    if HALF_TAIL:
+        half = tl.load(sorted_pairs_ptr + start + BLOCK_M // 2) >= num_pairs
+    if half:
+        _block_tile(start, expert, slice_id, n0, x_ptr, w_ptr, w_desc, out_ptr, topk_weights_ptr, sorted_pairs_ptr,
+                    token_lora_ptr, a0_ptr, a1_ptr, b0_ptr, b1_ptr, lora_ranks_ptr, t_ptr, num_pairs, top_k, K, N,
+                    num_loras, R, n_slice, stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_om,
+                    stride_on, stride_al, stride_ae, stride_ar, stride_ak, stride_bl, stride_be, stride_bn, stride_br,
+                    stride_ts, stride_tp, stride_tr, x_cols, tail_at, tail_off, BLOCK_M // 2, BLOCK_N, BLOCK_K,
+                    BLOCK_LR, TOKEN_ROWS, MUL_ROUTED_WEIGHT, EVEN_K, HAS_LORA, HAS_RANKS, DOT_PRECISION, W_TMA, T_IN,
+                    X_TAIL)
+    else:
+        _block_tile(start, expert, slice_id, n0, x_ptr, w_ptr, w_desc, out_ptr, topk_weights_ptr, sorted_pairs_ptr,
+                    token_lora_ptr, a0_ptr, a1_ptr, b0_ptr, b1_ptr, lora_ranks_ptr, t_ptr, num_pairs, top_k, K, N,
+                    num_loras, R, n_slice, stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_om,
+                    stride_on, stride_al, stride_ae, stride_ar, stride_ak, stride_bl, stride_be, stride_bn, stride_br,
+                    stride_ts, stride_tp, stride_tr, x_cols, tail_at, tail_off, BLOCK_M, BLOCK_N, BLOCK_K,
+                    BLOCK_LR, TOKEN_ROWS, MUL_ROUTED_WEIGHT, EVEN_K, HAS_LORA, HAS_RANKS, DOT_PRECISION, W_TMA, T_IN,
+                    X_TAIL)
+
+
+@triton.jit
+def _block_tile(start, expert, slice_id, n0, x_ptr, w_ptr, w_desc, out_ptr, topk_weights_ptr, sorted_pairs_ptr,
+                token_lora_ptr, a0_ptr, a1_ptr, b0_ptr, b1_ptr, lora_ranks_ptr, t_ptr, num_pairs, top_k, K, N,
+                num_loras, R, n_slice, stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_om, stride_on,
+                stride_al, stride_ae, stride_ar, stride_ak, stride_bl, stride_be, stride_bn, stride_br,
+                stride_ts, stride_tp, stride_tr, x_cols, tail_at, tail_off,
+                BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_LR: tl.constexpr,
+                TOKEN_ROWS: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr,
+                HAS_LORA: tl.constexpr, HAS_RANKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                W_TMA: tl.constexpr, T_IN: tl.constexpr, X_TAIL: tl.constexpr):
+    """One output tile of ``moe_gemm_kernel``: the BM pairs from slot ``start`` of ``expert``'s blocks."""
+    pairs, valid, x_rows = rows_at(sorted_pairs_ptr, start, num_pairs, top_k, BM, TOKEN_ROWS)
     n_local = n0 + tl.arange(0, BLOCK_N)
     n_ok = n_local < n_slice
     offs_n = slice_id * n_slice + n_local
     offs_k = tl.arange(0, BLOCK_K)
     x_base = x_ptr + x_rows.to(tl.int64)[:, None] * stride_xm
     w_base = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
     if HAS_LORA:
         # column c of the stacked shrink is rank c % r of adapter c // r; it is kept for a row only
         # if that row's token uses the adapter, and loaded only if some row of the block does
@@ -100,7 +137,7 @@ def moe_gemm_kernel(
         a_ptr, b_ptr = slice_pointers(slice_id, a0_ptr, a1_ptr, b0_ptr, b1_ptr)
         if not T_IN:
             a_cols = a_ptr + expert.to(tl.int64) * stride_ae + col_l.to(tl.int64) * stride_al + col_r * stride_ar
-            t = tl.zeros((BLOCK_M, BLOCK_LR), dtype=tl.float32)
+            t = tl.zeros((BM, BLOCK_LR), dtype=tl.float32)
     if HAS_LORA and T_IN:
         # the shrink came from HBM: expand before the K loop, where its loads overlap the pipeline's
         # first loads of x and W (after the loop nothing hides them: measured 7-12% slower on the H200)

@@ -21,7 +21,13 @@ def slice_pointers(slice_id, a0_ptr, a1_ptr, b0_ptr, b1_ptr):
 @triton.jit
 def block_rows(sorted_pairs_ptr, block, num_pairs, top_k, BLOCK_M: tl.constexpr, TOKEN_ROWS: tl.constexpr):
     """The BM pair ids of one block, their validity mask, and the x row each one reads."""
-    pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))   # [BM] int32
+    return rows_at(sorted_pairs_ptr, block * BLOCK_M, num_pairs, top_k, BLOCK_M, TOKEN_ROWS)
+
+
+@triton.jit
+def rows_at(sorted_pairs_ptr, start, num_pairs, top_k, ROWS: tl.constexpr, TOKEN_ROWS: tl.constexpr):
+    """The ROWS pair ids from slot ``start`` of the block list, their validity mask, and the x row of each."""
+    pairs = tl.load(sorted_pairs_ptr + start + tl.arange(0, ROWS))                # [ROWS] int32
     valid = pairs < num_pairs
     pairs = tl.where(valid, pairs, 0)
     if TOKEN_ROWS:

@@ -9,14 +9,14 @@ blocks, so no padding, and a block's rows contiguous in h and its tokens consecu
 ``torch._grouped_mm``, with the method of every table (CUDA graphs replayed by ``triton.testing.do_bench``, L2
 flushed, interleaved rounds):
 
-  <op>_random / <op>_ordered      our GEMM (w13 or w2) on either routing
+  <op>_random / <op>_ordered      our GEMM (w13 or w2) on either routing, whole tiles only (HALF_TAIL off)
+  <op>_random_half                the sweep's routing with half tiles for blocks whose second half is padding
   <op>_grouped_mm                 ``torch._grouped_mm`` on pre-grouped rows
 
 The ordered routing changes the order and the padding at once: divide each time by the rows the GEMM computes
-(notebook 05, section 4) to tell them apart. On a GPU, from the
-repository root:
+(``rows_computed``, also in notebook 05, section 4) to tell them apart. On a GPU, from the repository root:
 
-    PYTHONPATH=. OUT=/tmp/probe python scripts/probes/gemm_rows.py [--tokens 2048 8192]
+    PYTHONPATH=. OUT=/tmp/probe python scripts/probes/gemm_rows.py [--tokens 2048 8192] [--presets ...]
 
 writes ``$OUT/gemm_rows.csv``; its ``command`` starts with ``probe:`` (see data/history/README.md).
 """
@@ -34,12 +34,26 @@ from moelora_lab.profile import timing
 from moelora_lab.results import write_csv
 
 
-def main(out: str, tokens: list[int], command: str) -> None:
+def rows_computed(per_expert: torch.Tensor, block_m: int, half: bool) -> int:
+    """Rows the grouped GEMM multiplies for experts of ``per_expert`` pairs: whole blocks of ``block_m``, the
+    last one as a half tile when ``half`` and its pairs end in its first half."""
+    full, left = per_expert // block_m, per_expert % block_m
+    last = torch.where(left == 0, 0, torch.where((left <= block_m // 2) & half, block_m // 2, block_m))
+    return int((full * block_m + last).sum())
+
+
+def main(out: str, tokens: list[int], presets: list[str], command: str) -> None:
+    prov = timing.provenance(command)
+    rows = []
+    for preset in presets:
+        rows += preset_rows(MoEShape.from_name(preset), tokens, prov)
+    write_csv(rows, os.path.join(out, "gemm_rows.csv"))
+
+
+def preset_rows(shape: MoEShape, tokens: list[int], prov: dict) -> list[dict]:
     from plan_knobs import timed_rows       # the same interleaved timing and rows as the plan's probe
 
-    prov = timing.provenance(command)
     dev = torch.device(device())
-    shape = MoEShape.from_name("qwen3-30b-a3b")
     E, H, I, k = shape.num_experts, shape.hidden, shape.intermediate, shape.top_k
     gen = seeded_generator(0)
     w13, w2 = base_weights(shape, gen, torch.bfloat16)
@@ -52,33 +66,41 @@ def main(out: str, tokens: list[int], command: str) -> None:
         h = torch.randn(P, I, device=dev, generator=gen, dtype=torch.bfloat16)
         wflat = tw.reshape(-1).float().contiguous()
         tiles = gemm_tiles(P, E)
-        fns = {}
-        for name, ids in (("random", random_ids), ("ordered", ordered_ids)):
+        fns, computed = {}, {}
+        for name, ids, half in (("random", random_ids, False), ("ordered", ordered_ids, False),
+                                ("random_half", random_ids, True)):
             blocks = make_blocks(ids, None, E, 1, tiles["BLOCK_M"])
             if name == "ordered":
                 head = blocks.sorted_pairs[:P]
                 assert torch.equal(head, torch.arange(P, device=dev, dtype=head.dtype)), "ordered routing not in order"
+            computed[name] = rows_computed(torch.bincount(ids.reshape(-1).long(), minlength=E), tiles["BLOCK_M"], half)
             for op, (inp, w, weights) in (("w13", (x, w13, None)), ("w2", (h, w2, wflat))):
                 o = torch.empty(P, w.shape[1], device=dev, dtype=torch.bfloat16)
-                fns[f"{op}_{name}"] = (lambda inp=inp, w=w, b=blocks, o=o, wt=weights:
-                                       moe_gemm(inp, w, b, o, top_k=k, topk_weights=wt, tiles=tiles))
+                fns[f"{op}_{name}"] = (lambda inp=inp, w=w, b=blocks, o=o, wt=weights, half=half:
+                                       moe_gemm(inp, w, b, o, top_k=k, topk_weights=wt,
+                                                tiles=dict(tiles, HALF_TAIL=half)))
         ref13, ref2 = grouped_mm_fns(x, h, random_ids, w13, w2)
         fns["w13_grouped_mm"], fns["w2_grouped_mm"] = ref13, ref2
         # each GEMM checked against torch._grouped_mm on the random routing (the same rows, in expert order)
         order = torch.sort(random_ids.reshape(-1).long(), stable=True).indices
-        if not close(fns["w13_random"]()[order].float(), ref13().float()):
-            raise RuntimeError(f"M={M}: w13 differs from torch._grouped_mm")
         weighted = ref2().float() * wflat[order][:, None]
-        if not close(fns["w2_random"]()[order].float(), weighted):
-            raise RuntimeError(f"M={M}: w2 differs from torch._grouped_mm")
-        rows += timed_rows(fns, f"M={M}", prov, preset=shape.name, M=M, pairs=P)
-    write_csv(rows, os.path.join(out, "gemm_rows.csv"))
+        for name in ("random", "random_half"):
+            if not close(fns[f"w13_{name}"]()[order].float(), ref13().float()):
+                raise RuntimeError(f"{shape.name} M={M}: w13 {name} differs from torch._grouped_mm")
+            if not close(fns[f"w2_{name}"]()[order].float(), weighted):
+                raise RuntimeError(f"{shape.name} M={M}: w2 {name} differs from torch._grouped_mm")
+        computed.update(grouped_mm=P)
+        for row in timed_rows(fns, f"{shape.name} M={M}", prov, preset=shape.name, M=M, pairs=P,
+                              block_m=tiles["BLOCK_M"]):
+            rows.append(dict(row, rows_computed=computed[row["variant"].split("_", 1)[1]]))
+    return rows
 
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", nargs="+", type=int, default=[2048, 8192])
+    parser.add_argument("--presets", nargs="+", default=["qwen3-30b-a3b"])
     args = parser.parse_args()
-    main(os.environ.get("OUT", "/tmp"), args.tokens,
+    main(os.environ.get("OUT", "/tmp"), args.tokens, args.presets,
          " ".join(["probe: python scripts/probes/gemm_rows.py", *sys.argv[1:]]))
