@@ -67,8 +67,10 @@ def preset_rows(shape: MoEShape, tokens: list[int], prov: dict) -> list[dict]:
         wflat = tw.reshape(-1).float().contiguous()
         tiles = gemm_tiles(P, E)
         fns, computed = {}, {}
-        for name, ids, half in (("random", random_ids, False), ("ordered", ordered_ids, False),
-                                ("random_half", random_ids, True)):
+        routings = [("random", random_ids, False), ("random_half", random_ids, True)]
+        if P % E == 0 and (P // E) % tiles["BLOCK_M"] == 0:          # ordered rows pad nothing: whole blocks only
+            routings.append(("ordered", ordered_ids, False))
+        for name, ids, half in routings:
             blocks = make_blocks(ids, None, E, 1, tiles["BLOCK_M"])
             if name == "ordered":
                 head = blocks.sorted_pairs[:P]
