@@ -64,3 +64,28 @@ def test_gemm_rows_counts_the_rows_each_tile_rule_computes():
             want += 128 * full + (0 if left == 0 else 64 if half and left <= 64 else 128)
         assert probe.rows_computed(per_expert, 128, half) == want
     assert probe.rows_computed(per_expert, 128, True) < probe.rows_computed(per_expert, 128, False)
+
+
+@pytest.mark.parametrize("flatten", [True, False])
+def test_persistent_gemm_matches_the_grouped_gemm(device, flatten):
+    """The persistent probe kernel: every pair's row written (the output is poisoned) and equal to ``moe_gemm``'s,
+    for w13 (token rows) and w2 (pair rows, routing weights), with fewer programs than tiles."""
+    import moelora_lab as ml
+    from moelora_lab.align import make_blocks
+    from moelora_lab.moe import gemm_tiles, moe_gemm
+    from utils import assert_close, poisoned
+    probe = load("gemm_persistent")
+    shape = ml.MoEShape(64, 32, 5, 2, "persistent-test")          # K a multiple of BLOCK_K, N not of BLOCK_N
+    p = ml.make_problem(shape, ml.LoRAShape(2, 4), 23, dtype=torch.float32, device=device, seed=5)
+    M, k = p.topk_ids.shape
+    tiles = dict(gemm_tiles(M * k, shape.num_experts), BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=2)
+    blocks = make_blocks(p.topk_ids, None, shape.num_experts, 1, 16)
+    h = torch.randn(M * k, shape.intermediate, device=device)
+    weights = p.topk_weights.reshape(-1).float().contiguous()
+    for x, w, wt in ((p.x, p.w13, None), (h, p.w2, weights)):
+        want = moe_gemm(x, w, blocks, poisoned((M * k, w.shape[1]), x.dtype, device), top_k=k, topk_weights=wt,
+                        tiles=dict(tiles, HALF_TAIL=False))
+        got = probe.persistent_gemm(x, w, blocks, poisoned((M * k, w.shape[1]), x.dtype, device), top_k=k,
+                                    topk_weights=wt, tiles=tiles, used=probe.used_blocks(blocks), flatten=flatten,
+                                    programs=3)
+        assert_close(got, want, torch.float32)
