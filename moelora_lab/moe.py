@@ -62,6 +62,9 @@ def gpu_gemm_tiles(per_expert: float, *, lora: bool = False) -> dict:
 # such a block as a tile of BLOCK_M / 2 rows when its pairs end in the first half (so the padding an expert's
 # blocks compute is under half a block), from BLOCK_M = HALF_TAIL_MIN_BLOCK on: Hopper's warp-group MMA takes 64
 # rows at a time, so a half tile of fewer than 64 rows would compute as many rows as the whole one.
+# (Not kept: the same GEMM as a persistent kernel, one program per SM walking the tiles in the rule's order with the
+# tile and K loops flattened for the pipeliner; on the H200 it took 0.99-1.03x the time of the rule's launch at
+# M = 2048 and 8192: data/history/gemm_persistent_bc8117b91c.csv.)
 HALF_TAIL_MIN_BLOCK = 128
 
 
