@@ -22,15 +22,15 @@ every variant checked against ``torch._grouped_mm`` first, then timed in interle
 
 writes ``$OUT/gemm_persistent.csv``; its ``command`` starts with ``probe:`` (see data/history/README.md).
 """
-import argparse
 import os
 import sys
 
 import torch
-import triton
-import triton.language as tl
 
-from moelora_lab.kernels.common import gemm_tile, rows_at
+from moelora_lab.kernels.common import gemm_tile, rows_at      # before triton: the package picks the backend
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 
 @triton.jit
@@ -161,9 +161,6 @@ def main(out: str, tokens: list[int], presets: list[str], command: str) -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", nargs="+", type=int, default=[2048, 8192])
-    parser.add_argument("--presets", nargs="+", default=["qwen3-30b-a3b"])
-    args = parser.parse_args()
-    main(os.environ.get("OUT", "/tmp"), args.tokens, args.presets,
-         " ".join(["probe: python scripts/probes/gemm_persistent.py", *sys.argv[1:]]))
+    from gemm_rows import run_cli           # the same command line as the rows probe
+
+    run_cli(__doc__, "gemm_persistent.py", main)

@@ -98,11 +98,16 @@ def preset_rows(shape: MoEShape, tokens: list[int], prov: dict) -> list[dict]:
     return rows
 
 
-if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def run_cli(doc: str, script: str, main) -> None:
+    """The GEMM probes' command line: ``--tokens``, ``--presets``, results under ``$OUT``."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--tokens", nargs="+", type=int, default=[2048, 8192])
     parser.add_argument("--presets", nargs="+", default=["qwen3-30b-a3b"])
     args = parser.parse_args()
     main(os.environ.get("OUT", "/tmp"), args.tokens, args.presets,
-         " ".join(["probe: python scripts/probes/gemm_rows.py", *sys.argv[1:]]))
+         " ".join([f"probe: python scripts/probes/{script}", *sys.argv[1:]]))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    run_cli(__doc__, "gemm_rows.py", main)
