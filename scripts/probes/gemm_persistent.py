@@ -46,7 +46,7 @@ def persistent_gemm_kernel(
     num_pairs, top_k, K, N, stride_xm, stride_we, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, TOKEN_ROWS: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
-    W_TMA: tl.constexpr, FLATTEN: tl.constexpr,
+    W_TMA: tl.constexpr, FLATTEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Program p: tiles p, p + NUM_PROGRAMS, ... of the used blocks' (block, N tile) grid, numbered as
     ``moe_gemm_kernel`` numbers its programs; K a multiple of BLOCK_K. The store recomputes its tile's rows from
@@ -71,7 +71,7 @@ def persistent_gemm_kernel(
                 wk = w_desc.load([expert * N + n0, kk * BLOCK_K]).T
             else:
                 wk = tl.load(w_base + ks[:, None], mask=(offs_n < N)[None, :], other=0.0)
-            acc = tl.dot(xk, wk, acc)
+            acc = tl.dot(xk, wk, acc, input_precision=DOT_PRECISION)
         done += NUM_PROGRAMS
         block_c, _, n0_c = gemm_tile(done, N, N, used, BLOCK_N, GROUP_M)
         pairs_c, valid_c, _ = rows_at(sorted_pairs_ptr, block_c * BLOCK_M, num_pairs, top_k, BLOCK_M, TOKEN_ROWS)
@@ -107,7 +107,8 @@ def persistent_gemm(x, w, blocks, out, *, top_k: int, topk_weights=None, tiles: 
         P, top_k, K, N, x.stride(0), w.stride(0), w.stride(1), out.stride(0),
         BLOCK_M=tiles["BLOCK_M"], BLOCK_N=tiles["BLOCK_N"], BLOCK_K=tiles["BLOCK_K"], GROUP_M=tiles["GROUP_M"],
         NUM_PROGRAMS=programs, TOKEN_ROWS=x.shape[0] != P or top_k == 1, MUL_ROUTED_WEIGHT=mul, W_TMA=w_tma,
-        FLATTEN=flatten, num_warps=warps, num_stages=stages)
+        FLATTEN=flatten, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps,
+        num_stages=stages)
     return out
 
 
