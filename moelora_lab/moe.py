@@ -73,6 +73,14 @@ def half_tail(block_m: int) -> bool:
     return block_m >= HALF_TAIL_MIN_BLOCK
 
 
+def rows_computed(per_expert: torch.Tensor, block_m: int, half: bool) -> int:
+    """Rows the grouped GEMM multiplies for experts of ``per_expert`` [E] pairs: whole blocks of ``block_m``, the
+    last one as a half tile when ``half`` (``HALF_TAIL``) and its pairs end in its first half."""
+    full, left = per_expert // block_m, per_expert % block_m
+    last = torch.where(left == 0, 0, torch.where((left <= block_m // 2) & half, block_m // 2, block_m))
+    return int((full * block_m + last).sum())
+
+
 def fused_columns(num_loras: int, rank: int) -> int:
     """BLOCK_LR of the in-GEMM LoRA: the L*r stacked shrink columns, a power of two >= 16."""
     return max(16, triton.next_power_of_2(num_loras * rank))

@@ -87,6 +87,17 @@ def test_half_tiles_for_blocks_whose_second_half_is_padding(device, block_m, wit
         assert_close(run(p, h, p.w2, lora2, mul=True, **tiles), want2, torch.float32)
 
 
+def test_rows_computed_counts_whole_and_half_tiles():
+    per_expert = torch.tensor([0, 1, 64, 65, 128, 129, 200, 256])
+    for half in (False, True):
+        want = 0
+        for n in per_expert.tolist():
+            full, left = divmod(n, 128)
+            want += 128 * full + (0 if left == 0 else 64 if half and left <= 64 else 128)
+        assert moe.rows_computed(per_expert, 128, half) == want
+    assert moe.rows_computed(per_expert, 128, True) < moe.rows_computed(per_expert, 128, False)
+
+
 def test_half_tail_rule_and_its_errors(device):
     assert [moe.half_tail(bm) for bm in (16, 64, 128, 256)] == [False, False, True, True]
     p = case(device, torch.float32, 5, 8, seed=1)

@@ -14,7 +14,7 @@ flushed, interleaved rounds):
   <op>_grouped_mm                 ``torch._grouped_mm`` on pre-grouped rows
 
 The ordered routing changes the order and the padding at once: divide each time by the rows the GEMM computes
-(``rows_computed``, also in notebook 05, section 4) to tell them apart. On a GPU, from the repository root:
+(``rows_computed``: ``moe.rows_computed``, also in notebook 05, section 4) to tell them apart. On a GPU, from the repository root:
 
     PYTHONPATH=. OUT=/tmp/probe python scripts/probes/gemm_rows.py [--tokens 2048 8192] [--presets ...]
 
@@ -29,17 +29,9 @@ import torch
 from moelora_lab.align import make_blocks
 from moelora_lab.bench.common import base_weights, close, device, grouped_mm_fns, seeded_generator, sweep_routing
 from moelora_lab.config import MoEShape
-from moelora_lab.moe import gemm_tiles, moe_gemm
+from moelora_lab.moe import gemm_tiles, moe_gemm, rows_computed
 from moelora_lab.profile import timing
 from moelora_lab.results import write_csv
-
-
-def rows_computed(per_expert: torch.Tensor, block_m: int, half: bool) -> int:
-    """Rows the grouped GEMM multiplies for experts of ``per_expert`` pairs: whole blocks of ``block_m``, the
-    last one as a half tile when ``half`` and its pairs end in its first half."""
-    full, left = per_expert // block_m, per_expert % block_m
-    last = torch.where(left == 0, 0, torch.where((left <= block_m // 2) & half, block_m // 2, block_m))
-    return int((full * block_m + last).sum())
 
 
 def main(out: str, tokens: list[int], presets: list[str], command: str) -> None:
