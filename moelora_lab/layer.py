@@ -17,7 +17,9 @@ the two-kernel path's shrink (T [S, P, r], the only LoRA bytes in HBM) and expan
 GEMMs, before their K loop (one dot of K = L*r per output tile; same limit on L*r), so no N tile recomputes
 the shrink and no delta is written or read back; ``in_k`` puts both LoRA ops in their GEMMs' K
 (``layer_in_k.in_k_layer``, one stream; needs the weights packed once by ``layer_in_k.pack_in_k``,
-passed as ``in_k=``); ``auto`` is sequential on the CPU and on a GPU two streams, or ``in_k`` where
+passed as ``in_k=``); ``in_join`` computes the LoRA inside the activation and the top-k sum
+(``layer_in_join``: w13's shrink is the only LoRA launch, beside the w13 GEMM; no delta, no LoRA kernel
+between the w2 GEMM and the sum); ``auto`` is sequential on the CPU and on a GPU two streams, or ``in_k`` where
 ``gpu_schedule`` says it pays and the call brings a pack (H200 data in ``data/h200/layer.csv``).
 
 The side stream has the highest priority the device offers (``side_priority="highest"``): the
@@ -45,9 +47,10 @@ from ._backend import INTERPRET, on_device
 from .blocks import LayerPlan
 from .moe import GemmLoRA, gemm_tiles, moe_gemm, silu_and_mul, topk_sum
 from .layer_in_gemm import buffers, epilogue_layer, fused_layer
+from .layer_in_join import in_join_layer
 from .layer_in_k import check_in_k, in_k_layer
 from .layer_plan import (IN_GEMM, IN_K_MAX_COLUMNS, IN_K_MIN_PAIRS_PER_EXPERT, SCHEDULES, fused_fits,  # noqa: F401
-                         gpu_schedule, plan_layer, resolve_schedule)
+                         _streams_run, gpu_schedule, plan_layer, resolve_schedule)
 from .ops import run_lora
 from .paths import KERNEL_CHOICES, get_path
 from .streams import SIDE_PRIORITIES, Streams
@@ -81,7 +84,8 @@ def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=No
         w2's LoRA, one slice: A 1 x [L, E, r, I], B 1 x [L, E, H, r]. Give all four LoRA arguments or
         none (none: the plain MoE layer); same L and r for w13 and w2, scaling folded into B.
     schedule : str
-        'sequential', 'dual_stream', 'fused', 'epilogue', 'in_k' or 'auto' (see the module docstring).
+        'sequential', 'dual_stream', 'fused', 'epilogue', 'in_k', 'in_join' or 'auto' (see the module
+        docstring).
     join : str
         'fold' or 'vllm' (the schedules with separate LoRA kernels only).
     lora_path : str
@@ -133,9 +137,13 @@ def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=No
     columns = L * r if in_k is not None else None
     run = (resolve_schedule(schedule, x.device, num_pairs=P, num_experts=E, fits=fused_fits(L, r),
                             in_k_columns=columns) if active else "sequential")
-    if (run in IN_GEMM or run == "in_k") and join != "fold":
-        raise ValueError(f"join: {join!r} has no meaning with schedule={run!r} (the LoRA is added inside the GEMMs, "
-                         "there is no join); leave join at 'fold' or pick another schedule")
+    if (run in IN_GEMM or run in ("in_k", "in_join")) and join != "fold":
+        where = "the join kernels themselves" if run == "in_join" else "the GEMMs"
+        raise ValueError(f"join: {join!r} has no meaning with schedule={run!r} (the LoRA is added inside {where}, "
+                         "there is no delta to join); leave join at 'fold' or pick another schedule")
+    if run == "in_join" and lora_path not in ("auto", "two_kernel"):
+        raise ValueError(f"lora_path: {lora_path!r} has no meaning with schedule='in_join' (it runs the two-kernel "
+                         "path's shrink and expands in the join kernels); leave lora_path at 'auto'")
     if plan is not None and active:
         made_for = next((sched for sched, marker in IN_GEMM.items() if plan.lora_path == marker), None)
         if made_for != (run if run in IN_GEMM else None):
@@ -160,6 +168,13 @@ def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=No
         if run == "in_k":
             return in_k_layer(x, topk_ids, topk_weights, token_lora, in_k.w13_ext, in_k.w2_ext, w13_lora_a,
                               w2_lora_a, plan=plan, lora_ranks=lora_ranks, validate=False, tracer=tracer)
+        if run == "in_join":
+            if plan.lora_blocks is None:
+                raise TypeError("plan: made without LoRA blocks (for schedule='fused' or without LoRA); pass "
+                                "plan_layer(..., schedule='in_join') with the layer's num_loras and rank")
+            return in_join_layer(x, topk_ids, weights, token_lora.to(torch.int32).contiguous(), w13, w2,
+                                 (w13_lora_a, w13_lora_b, w2_lora_a, w2_lora_b), plan, lora_ranks, tracer,
+                                 dual=_streams_run(x.device), side_priority=side_priority)
         if run == "epilogue":
             return epilogue_layer(x, topk_ids, weights, token_lora.to(torch.int32).contiguous(), w13, w2,
                                    (w13_lora_a, w13_lora_b, w2_lora_a, w2_lora_b), plan, lora_ranks, tracer)

@@ -19,7 +19,7 @@ from .moe import MAX_FUSED_COLUMNS, fused_columns, gemm_tiles
 from .paths import KERNEL_CHOICES, get_path, resolve_path
 from .validate import ANY_SLOT, check_choice, check_int, check_lora_ranks, check_routing
 
-SCHEDULES = ("sequential", "dual_stream", "fused", "epilogue", "in_k", "auto")
+SCHEDULES = ("sequential", "dual_stream", "fused", "epilogue", "in_k", "in_join", "auto")
 IN_GEMM = {"fused": "in_gemm", "epilogue": "epilogue"}      # schedules with the expand in the GEMMs: plan's lora_path
 
 
@@ -133,7 +133,7 @@ def plan_layer(topk_ids, token_lora, num_experts: int, num_loras: int | None, ra
             in_gemm = num_loras is not None and rank != 0
             return LayerPlan(base, None, "in_gemm" if in_gemm else None, **plan)
         side = schedule == "dual_stream" or (schedule == "auto" and _streams_run(topk_ids.device))
-        path = "two_kernel" if in_gemm else resolve_path(     # epilogue: the two-kernel path's shrink
+        path = "two_kernel" if in_gemm or schedule == "in_join" else resolve_path(  # the two-kernel path's shrink
             lora_path, num_pairs=P, num_experts=E, num_loras=num_loras, rank=rank, add_inputs=False,
             token_rows=True, choice_rank=choice_rank(rank, lora_ranks), n_out=intermediate, side_stream=side)
         cfg = choose_config(path, P, min(P, num_loras * E), intermediate or 1, 2, topk_ids.device, rank=rank)

@@ -224,7 +224,7 @@ def test_every_subcommand_parses_its_defaults():
         args = cli.parse_args([what])
         assert args.what == module.NAME == what and args.command == f"python -m moelora_lab.bench {what}"
         assert args.out == common.DEFAULT_OUT and callable(module.run)
-    assert cli.parse_args(["layer"]).variants == [v for v in layer_sweep.VARIANTS if v != "dual_stream_side"]
+    assert cli.parse_args(["layer"]).variants == [v for v in layer_sweep.VARIANTS if v not in ("dual_stream_side", "in_join")]
     assert cli.parse_args(["layer", "--variants", "plan", "no_lora"]).variants == ["plan", "no_lora"]
     with pytest.raises(SystemExit):
         cli.parse_args(["layer", "--variants", "no_such_variant"])

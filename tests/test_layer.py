@@ -35,7 +35,7 @@ def test_layer_matches_reference(device, join):
         close(y, ref, dtype)
 
 
-@pytest.mark.parametrize("schedule", ["sequential", "dual_stream", "fused", "epilogue"])
+@pytest.mark.parametrize("schedule", ["sequential", "dual_stream", "fused", "epilogue", "in_join"])
 def test_layer_with_packed_lora_b(device, schedule):
     """LoRA B stored N-fastest (pack_lora_b): same values, other strides; every schedule reads it."""
     for dtype in dtypes(device):

@@ -9,6 +9,8 @@ variants of a case in ``ROUNDS`` interleaved rounds with their replays pooled (`
                           makes it (the side stream's path rule, ``dispatch.choose_side_path``)
   fused                   LoRA computed inside the base grouped GEMMs (when L*r fits)
   in_k                    both LoRA ops in their GEMMs' K (``layer_in_k``), from the weights packed once
+  in_join                 the LoRA inside the activation and the top-k sum (``layer_in_join``): w13's shrink
+                          beside the w13 GEMM is its only LoRA launch
   auto                    what ``moe_lora_layer`` picks by default given that pack (``in_k=``; its plan built
                           the same way), so it may run ``in_k``; every other LoRA variant reads the
                           unpacked weights
@@ -46,16 +48,16 @@ from ..profile.traffic import count_workload, layer_traffic
 from .common import base_weights, device, grouped_mm_fns, progress, seeded_generator, sweep_parser, sweep_routing
 
 NAME = "layer"
-VARIANTS = ("no_lora", "sequential", "dual_stream", "dual_stream_side", "fused", "epilogue", "in_k", "auto",
+VARIANTS = ("no_lora", "sequential", "dual_stream", "dual_stream_side", "fused", "epilogue", "in_k", "in_join", "auto",
             "sequential_vllm_join", "dual_stream_vllm_join", "base_gemms", "grouped_mm", "plan", "no_lora_plan",
             "auto_plan")
-DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v != "dual_stream_side")   # that one: the side-path sweep only
+DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v not in ("dual_stream_side", "in_join"))   # those: asked for by name
 ROUNDS = 3              # interleaved timing rounds per case: a drift of the GPU during a case hits every variant
 NO_LORA = ("no_lora", "base_gemms", "grouped_mm", "plan", "no_lora_plan")
 # the schedule each LoRA-layer variant asks for (``schedule`` records what it really ran)
 SCHEDULE_OF = {"sequential": "sequential", "dual_stream": "dual_stream", "dual_stream_side": "dual_stream",
                "fused": "fused", "epilogue": "epilogue",
-               "in_k": "in_k", "auto": "auto",
+               "in_k": "in_k", "in_join": "in_join", "auto": "auto",
                "sequential_vllm_join": "sequential", "dual_stream_vllm_join": "dual_stream", "auto_plan": "auto"}
 
 
@@ -63,7 +65,7 @@ def add_parser(sub):
     y = sweep_parser(sub, NAME, "the MoE layer: no LoRA, sequential, dual stream, join variants; timelines",
                      name="layer", tokens=(1, 16, 64, 128, 512, 2048, 8192), ranks=(16, 64), max_seconds=True)
     y.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(DEFAULT_VARIANTS), metavar="VARIANT",
-                   help=f"a subset of {', '.join(VARIANTS)} (default: all but dual_stream_side)")
+                   help=f"a subset of {', '.join(VARIANTS)} (default: all but dual_stream_side and in_join)")
     y.add_argument("--trace-tokens", nargs="+", type=int, default=[1, 16, 128, 512, 2048, 8192])
     y.add_argument("--trace-ranks", nargs="+", type=int, default=[16, 64])
     y.add_argument("--side-priority", choices=SIDE_PRIORITIES, default=SIDE_PRIORITIES[0])
@@ -96,6 +98,7 @@ def run_layer(args) -> tuple[list[dict], dict]:
         plan_f = plan_layer(ids, tl, E, L, rank, schedule="fused") if fused_fits(L, rank) else None
         plan_e = plan_layer(ids, tl, E, L, rank, schedule="epilogue") if fused_fits(L, rank) else None
         plan_s = plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I, schedule="dual_stream")
+        plan_j = plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I, schedule="in_join")
         plan_a = plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I)      # as moe_lora_layer builds it
         plan_b = plan_layer(ids, tl, E, None, None)
         base = (x, ids, tw, tl, w13, w2)
@@ -114,6 +117,7 @@ def run_layer(args) -> tuple[list[dict], dict]:
             "fused": lambda: moe_lora_layer(*base, **lora, schedule="fused", plan=plan_f),
             "epilogue": lambda: moe_lora_layer(*base, **lora, schedule="epilogue", plan=plan_e),
             "in_k": lambda: moe_lora_layer(*packed, **lora, schedule="in_k", in_k=pack, plan=plan_l),
+            "in_join": lambda: moe_lora_layer(*base, **lora, schedule="in_join", plan=plan_j),
             "auto": lambda: moe_lora_layer(*packed, **lora, in_k=pack, plan=plan_a),
             "sequential_vllm_join": lambda: moe_lora_layer(*base, **lora, schedule="sequential", join="vllm",
                                                            plan=plan_l),
@@ -129,7 +133,7 @@ def run_layer(args) -> tuple[list[dict], dict]:
                                        validate=False),
         }
         plan_of = {"fused": plan_f, "epilogue": plan_e, "auto": plan_a, "auto_plan": plan_a,
-                   "dual_stream_side": plan_s}             # every other variant runs plan_l's path
+                   "dual_stream_side": plan_s, "in_join": plan_j}             # every other variant runs plan_l's path
         work = count_workload(ids, tl, E, L)
         floors = {True: layer_traffic(shape, rank, work, lora_path=plan_l.lora_path)["floor"],
                   False: layer_traffic(shape, rank, work, with_lora=False)["floor"]}

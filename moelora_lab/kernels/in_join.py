@@ -1,0 +1,109 @@
+"""The LoRA inside the layer's two join kernels: the activation and the top-k sum (the ``in_join`` schedule).
+
+Shape legend: M tokens, E experts, k top-k, L adapters, r rank (R = the weights' rank dim), H hidden,
+I expert intermediate, P = M*k pairs, NT column tiles of the activation.
+
+At a few pairs per expert the LoRA is all latency: its weights are a few MB, its FLOPs nothing, yet
+two streams still pay an event join, a delta written and read back, and a w2 LoRA kernel that
+must end before the top-k sum can start. Here the only LoRA launch is w13's shrink (T1 [2, P, r],
+on the side stream beside the w13 GEMM); everything else rides on the kernels the layer runs anyway:
+
+    act:  gate += B13g[l, e] T1g,  up += B13u[l, e] T1u,  h = silu(gate) * up,
+          T2 partial[p, tile] = A2[l, e][:, tile] h[tile]        (one row of r per column tile)
+    sum:  y[t] = sum_j c3[t*k + j] + w_j B2[l, e_j] (sum over tiles of T2 partial[t*k + j])
+
+Both are per-pair matrix-vector products on the CUDA cores (no tensor-core tile fits one row), so
+this suits small M; the pairs of one (adapter, expert) each read its B and A again (from L2).
+"""
+import triton
+import triton.language as tl
+
+from .common import slot_rank
+
+
+@triton.jit
+def act_lora_kernel(
+    c1_ptr,            # [P, 2I] base gate | up, x's dtype
+    t1_ptr,            # [2, P, R] w13 shrink, x's dtype: written for pairs with an adapter, ranks < the slot's
+    bg_ptr, bu_ptr,    # w13 LoRA B, gate and up slices: [L, E, I, R]
+    a2_ptr,            # w2 LoRA A: [L, E, R, I]
+    topk_ids_ptr,      # [P] expert of each pair (int32 or int64)
+    token_lora_ptr,    # [M] int32, -1 = no adapter
+    lora_ranks_ptr,    # [L] int32 actual rank of each slot (read if HAS_RANKS)
+    h_ptr,             # [P, I] activation out, x's dtype
+    t2_ptr,            # [P, NT, R] float32 partial w2 shrink: written for pairs with an adapter, ranks < the slot's
+    top_k, I, R,
+    stride_c, stride_ts, stride_tp, stride_bl, stride_be, stride_bn, stride_br,
+    stride_al, stride_ae, stride_ar, stride_ak, stride_h, stride_2p, stride_2t,
+    BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, HAS_RANKS: tl.constexpr,
+):
+    """Program (pair, column tile): h = silu(gate + dg) * (up + du) and this tile's share of T2."""
+    pair = tl.program_id(0)
+    tile = tl.program_id(1)
+    cols = tile * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < I
+    row = c1_ptr + pair.to(tl.int64) * stride_c
+    gate = tl.load(row + cols, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(row + I + cols, mask=ok, other=0.0).to(tl.float32)
+    lora = tl.load(token_lora_ptr + pair // top_k)
+    has = lora >= 0
+    lora = tl.maximum(lora, 0)
+    expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = (offs_r < slot_rank(lora_ranks_ptr, lora, R, HAS_RANKS)) & has
+    # the expand of w13: [BLOCK, R] tiles of B times the pair's row of T1 (rank fastest in both)
+    t_row = t1_ptr + pair.to(tl.int64) * stride_tp + offs_r
+    tg = tl.load(t_row, mask=r_ok, other=0.0).to(tl.float32)
+    tu = tl.load(t_row + stride_ts, mask=r_ok, other=0.0).to(tl.float32)
+    b_off = (lora.to(tl.int64) * stride_bl + expert * stride_be + cols[:, None] * stride_bn
+             + offs_r[None, :] * stride_br)
+    b_ok = ok[:, None] & r_ok[None, :]
+    gate += tl.sum(tl.load(bg_ptr + b_off, mask=b_ok, other=0.0).to(tl.float32) * tg[None, :], axis=1)
+    up += tl.sum(tl.load(bu_ptr + b_off, mask=b_ok, other=0.0).to(tl.float32) * tu[None, :], axis=1)
+    h = (gate / (1.0 + tl.exp(-gate)) * up).to(h_ptr.dtype.element_ty)
+    tl.store(h_ptr + pair.to(tl.int64) * stride_h + cols, h, mask=ok)
+    # the shrink of w2 over this tile's columns, from h as the w2 GEMM reads it (rounded to x's dtype)
+    a_off = (lora.to(tl.int64) * stride_al + expert * stride_ae + offs_r[:, None] * stride_ar
+             + cols[None, :] * stride_ak)
+    a2 = tl.load(a2_ptr + a_off, mask=r_ok[:, None] & ok[None, :], other=0.0).to(tl.float32)   # [BLOCK_R, BLOCK]
+    part = tl.sum(a2 * h.to(tl.float32)[None, :], axis=1)                                        # [BLOCK_R]
+    tl.store(t2_ptr + pair.to(tl.int64) * stride_2p + tile * stride_2t + offs_r, part, mask=r_ok)
+
+
+@triton.jit
+def sum_lora_kernel(
+    c3_ptr,            # [P, H] weighted base down projection of each pair, x's dtype
+    t2_ptr,            # [P, NT, R] float32 partial w2 shrink (act_lora_kernel)
+    b2_ptr,            # w2 LoRA B: [L, E, H, R]
+    topk_ids_ptr,      # [P] expert of each pair
+    weights_ptr,       # [P] float32 routing weight of each pair
+    token_lora_ptr,    # [M] int32, -1 = no adapter
+    lora_ranks_ptr,    # [L] int32 (read if HAS_RANKS)
+    y_ptr,             # [M, H] output, x's dtype
+    top_k, H, R, NT,
+    stride_c, stride_2p, stride_2t, stride_bl, stride_be, stride_bn, stride_br, stride_y,
+    BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, HAS_RANKS: tl.constexpr,
+):
+    """Program (token, column tile): y[t] = sum_j c3[t*k+j] + w_j B2[l, e_j] T2[t*k+j] where the token has an adapter."""
+    token = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < H
+    lora = tl.load(token_lora_ptr + token)
+    has = lora >= 0
+    lora = tl.maximum(lora, 0)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = (offs_r < slot_rank(lora_ranks_ptr, lora, R, HAS_RANKS)) & has
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in range(top_k):
+        pair = (token * top_k + j).to(tl.int64)
+        acc += tl.load(c3_ptr + pair * stride_c + cols, mask=ok, other=0.0).to(tl.float32)
+        t = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for nt in range(NT):                    # the act's column tiles, summed in a fixed order
+            t += tl.load(t2_ptr + pair * stride_2p + nt * stride_2t + offs_r, mask=r_ok, other=0.0)
+        t = t * tl.load(weights_ptr + pair)
+        expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
+        b_off = (lora.to(tl.int64) * stride_bl + expert * stride_be + cols[:, None] * stride_bn
+                 + offs_r[None, :] * stride_br)
+        b = tl.load(b2_ptr + b_off, mask=ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(b * t[None, :], axis=1)
+    tl.store(y_ptr + token.to(tl.int64) * stride_y + cols, acc.to(y_ptr.dtype.element_ty), mask=ok)

@@ -1,0 +1,94 @@
+"""The ``in_join`` schedule: the LoRA inside the layer's activation and top-k sum (``kernels/in_join``).
+
+Shape legend: M tokens, E experts, k top-k, L adapters, r rank (R = the weights' rank dim), H hidden,
+I expert intermediate, P = M*k pairs, NT column tiles of the activation.
+
+Five launches, one of them LoRA: the w13 shrink T1 [2, P, R] (the two-kernel path's shrink, on the
+side stream beside the w13 GEMM where streams run); the activation adds B13 T1 and writes, beside h,
+each column tile's share of the w2 shrink (T2 [P, NT, R], float32); the top-k sum adds w B2 T2. No
+delta is written or read back, and nothing LoRA runs between the w2 GEMM and the sum.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from .dispatch import choose_config
+from .kernels.in_join import act_lora_kernel, sum_lora_kernel
+from .layer_in_gemm import buffers
+from .moe import gemm_tiles, moe_gemm
+from .paths import launch_shrink
+from .streams import Streams
+
+# a [BLOCK, BLOCK_R] weight tile of at most this many elements per program (32 float32 per thread of 4 warps)
+TILE_ELEMENTS = 4096
+
+
+def join_block(cols: int, block_r: int) -> int:
+    """Columns per program of the join kernels: a power of two from 16 to 128, the tile within TILE_ELEMENTS."""
+    return max(16, min(128, triton.next_power_of_2(cols), TILE_ELEMENTS // block_r))
+
+
+def act_lora(c1, t1, w13_lora_b, w2_lora_a, topk_ids, token_lora, lora_ranks, h):
+    """h [P, I] = silu(gate + Bg T1g) * (up + Bu T1u) and T2 [P, NT, R] float32, each column tile's A2 h."""
+    P, I = h.shape
+    R = w2_lora_a[0].shape[2]
+    block_r = triton.next_power_of_2(R)
+    block = join_block(I, block_r)
+    nt = triton.cdiv(I, block)
+    t2 = torch.empty(P, nt, R, dtype=torch.float32, device=h.device)
+    bg, bu = w13_lora_b
+    if bg.stride() != bu.stride():               # one set of strides serves both slices
+        bg, bu = bg.contiguous(), bu.contiguous()
+    a2 = w2_lora_a[0]
+    has_ranks = lora_ranks is not None
+    act_lora_kernel[(P, nt)](
+        c1, t1, bg, bu, a2, topk_ids, token_lora, lora_ranks if has_ranks else token_lora, h, t2,
+        P // token_lora.shape[0], I, R, c1.stride(0), t1.stride(0), t1.stride(1), *bg.stride(), *a2.stride(),
+        h.stride(0), t2.stride(0), t2.stride(1), BLOCK=block, BLOCK_R=block_r, HAS_RANKS=has_ranks)
+    return t2
+
+
+def sum_lora(c3, t2, w2_lora_b, topk_ids, weights, token_lora, lora_ranks, y):
+    """y [M, H] = sum over a token's pairs of c3 + w B2 (sum of T2's tiles)."""
+    M, H = y.shape
+    R = w2_lora_b[0].shape[3]
+    block_r = triton.next_power_of_2(R)
+    block = join_block(H, block_r)
+    b2 = w2_lora_b[0]
+    has_ranks = lora_ranks is not None
+    sum_lora_kernel[(M, triton.cdiv(H, block))](
+        c3, t2, b2, topk_ids, weights, token_lora, lora_ranks if has_ranks else token_lora, y,
+        c3.shape[0] // M, H, R, t2.shape[1], c3.stride(0), t2.stride(0), t2.stride(1), *b2.stride(), y.stride(0),
+        BLOCK=block, BLOCK_R=block_r, HAS_RANKS=has_ranks)
+    return y
+
+
+def in_join_layer(x, topk_ids, weights, token_lora, w13, w2, lora, plan, lora_ranks, tracer, *, dual: bool,
+                  side_priority: str = "highest"):
+    """The ``in_join`` schedule (``token_lora`` int32, ``weights`` [P] float32, ``lora`` the four LoRA lists)."""
+    M, k = topk_ids.shape
+    E, H, I = w2.shape
+    P = M * k
+    a13, b13, a2, b2 = lora
+    L, _, R, _ = a13[0].shape
+    ids = topk_ids.reshape(-1)
+    streams = Streams(dual, x.device, tracer, side_priority)
+    c1, h, c3, y = buffers(x, M, k, H, I)
+    t1 = x.new_empty(2, P, R)                    # written where the activation reads: pairs with an adapter, ranks below
+    blocks = plan.lora_blocks
+    cfg = choose_config("two_kernel", P, min(P, L * E), I, 2, x.device, rank=R, side_stream=dual)
+    fork = streams.fork()
+    with streams.stage("base_w13", "main"):
+        moe_gemm(x, w13, plan.base_blocks, c1, top_k=k, tiles=gemm_tiles(P, E))
+    with streams.side("shrink_w13", fork):
+        launch_shrink(x, a13, t1, blocks, cfg.replace(block_m=blocks.block_size), top_k=k, token_rows=True,
+                      lora_ranks=lora_ranks, one_read=True)
+    streams.join()
+    with streams.stage("act+lora", "main"):
+        t2 = act_lora(c1, t1, b13, a2, ids, token_lora, lora_ranks, h)
+    with streams.stage("base_w2", "main"):
+        moe_gemm(h, w2, plan.base_blocks, c3, top_k=k, topk_weights=weights, tiles=gemm_tiles(P, E))
+    with streams.stage("sum+lora", "main"):
+        sum_lora(c3, t2, b2, ids, weights, token_lora, lora_ranks, y)
+    return y
