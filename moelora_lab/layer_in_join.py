@@ -59,8 +59,9 @@ def sum_lora(c3, t2, w2_lora_b, topk_ids, weights, token_lora, lora_ranks, y):
     has_ranks = lora_ranks is not None
     sum_lora_kernel[(M, triton.cdiv(H, block))](
         c3, t2, b2, topk_ids, weights, token_lora, lora_ranks if has_ranks else token_lora, y,
-        c3.shape[0] // M, H, R, t2.shape[1], c3.stride(0), t2.stride(0), t2.stride(1), *b2.stride(), y.stride(0),
-        BLOCK=block, BLOCK_R=block_r, HAS_RANKS=has_ranks)
+        H, R, t2.shape[1], c3.stride(0), t2.stride(0), t2.stride(1), *b2.stride(), y.stride(0),
+        TOP_K=c3.shape[0] // M, BLOCK=block, BLOCK_R=block_r, BLOCK_T=triton.next_power_of_2(t2.shape[1]),
+        HAS_RANKS=has_ranks)
     return y
 
 

@@ -80,11 +80,15 @@ def sum_lora_kernel(
     token_lora_ptr,    # [M] int32, -1 = no adapter
     lora_ranks_ptr,    # [L] int32 (read if HAS_RANKS)
     y_ptr,             # [M, H] output, x's dtype
-    top_k, H, R, NT,
+    H, R, NT,
     stride_c, stride_2p, stride_2t, stride_bl, stride_be, stride_bn, stride_br, stride_y,
-    BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, HAS_RANKS: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
+    HAS_RANKS: tl.constexpr,
 ):
-    """Program (token, column tile): y[t] = sum_j c3[t*k+j] + w_j B2[l, e_j] T2[t*k+j] where the token has an adapter."""
+    """Program (token, column tile): y[t] = sum_j c3[t*k+j] + w_j B2[l, e_j] T2[t*k+j] where the token has an adapter.
+
+    The k pairs are unrolled and each pair's T2 tiles come in one [BLOCK_T, BLOCK_R] load, so every load
+    of the program can be in flight at once: at a few tokens this kernel is latency, not bytes."""
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < H
@@ -92,18 +96,19 @@ def sum_lora_kernel(
     has = lora >= 0
     lora = tl.maximum(lora, 0)
     offs_r = tl.arange(0, BLOCK_R)
+    offs_t = tl.arange(0, BLOCK_T)
     r_ok = (offs_r < slot_rank(lora_ranks_ptr, lora, R, HAS_RANKS)) & has
+    t_ok = (offs_t < NT)[:, None] & r_ok[None, :]
+    b_lora = b2_ptr + lora.to(tl.int64) * stride_bl + cols[:, None] * stride_bn + offs_r[None, :] * stride_br
+    b_ok = ok[:, None] & r_ok[None, :]
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for j in range(top_k):
-        pair = (token * top_k + j).to(tl.int64)
+    for j in tl.static_range(TOP_K):
+        pair = (token * TOP_K + j).to(tl.int64)
         acc += tl.load(c3_ptr + pair * stride_c + cols, mask=ok, other=0.0).to(tl.float32)
-        t = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        for nt in range(NT):                    # the act's column tiles, summed in a fixed order
-            t += tl.load(t2_ptr + pair * stride_2p + nt * stride_2t + offs_r, mask=r_ok, other=0.0)
-        t = t * tl.load(weights_ptr + pair)
+        parts = tl.load(t2_ptr + pair * stride_2p + offs_t[:, None] * stride_2t + offs_r[None, :], mask=t_ok,
+                        other=0.0)                                                   # [BLOCK_T, BLOCK_R]
+        t = tl.sum(parts, axis=0) * tl.load(weights_ptr + pair)                       # the act's tiles, summed
         expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
-        b_off = (lora.to(tl.int64) * stride_bl + expert * stride_be + cols[:, None] * stride_bn
-                 + offs_r[None, :] * stride_br)
-        b = tl.load(b2_ptr + b_off, mask=ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
+        b = tl.load(b_lora + expert * stride_be, mask=b_ok, other=0.0).to(tl.float32)  # [BLOCK, BLOCK_R]
         acc += tl.sum(b * t[None, :], axis=1)
     tl.store(y_ptr + token.to(tl.int64) * stride_y + cols, acc.to(y_ptr.dtype.element_ty), mask=ok)
