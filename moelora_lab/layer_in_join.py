@@ -24,9 +24,10 @@ from .streams import Streams
 TILE_ELEMENTS = 4096
 
 
-def join_block(cols: int, block_r: int) -> int:
-    """Columns per program of the join kernels: a power of two from 16 to 128, the tile within TILE_ELEMENTS."""
-    return max(16, min(128, triton.next_power_of_2(cols), TILE_ELEMENTS // block_r))
+def join_block(cols: int, tile_rows: int) -> int:
+    """Columns per program of the join kernels: a power of two from 16 to 128, the weight tile (``tile_rows``
+    rows of ranks, times the columns) within TILE_ELEMENTS."""
+    return max(16, min(128, triton.next_power_of_2(cols), TILE_ELEMENTS // tile_rows))
 
 
 def act_lora(c1, t1, w13_lora_b, w2_lora_a, topk_ids, token_lora, lora_ranks, h):
@@ -52,16 +53,17 @@ def act_lora(c1, t1, w13_lora_b, w2_lora_a, topk_ids, token_lora, lora_ranks, h)
 def sum_lora(c3, t2, w2_lora_b, topk_ids, weights, token_lora, lora_ranks, y):
     """y [M, H] = sum over a token's pairs of c3 + w B2 (sum of T2's tiles)."""
     M, H = y.shape
-    R = w2_lora_b[0].shape[3]
-    block_r = triton.next_power_of_2(R)
-    block = join_block(H, block_r)
+    k = c3.shape[0] // M
+    R, nt = w2_lora_b[0].shape[3], t2.shape[1]
+    block_r, block_j = triton.next_power_of_2(R), triton.next_power_of_2(k)
+    block = join_block(H, block_r * block_j)
+    block_t = max(1, min(triton.next_power_of_2(nt), TILE_ELEMENTS // (block_r * block_j)))
     b2 = w2_lora_b[0]
     has_ranks = lora_ranks is not None
     sum_lora_kernel[(M, triton.cdiv(H, block))](
         c3, t2, b2, topk_ids, weights, token_lora, lora_ranks if has_ranks else token_lora, y,
-        H, R, t2.shape[1], c3.stride(0), t2.stride(0), t2.stride(1), *b2.stride(), y.stride(0),
-        TOP_K=c3.shape[0] // M, BLOCK=block, BLOCK_R=block_r, BLOCK_T=triton.next_power_of_2(t2.shape[1]),
-        HAS_RANKS=has_ranks)
+        H, R, nt, c3.stride(0), t2.stride(0), t2.stride(1), *b2.stride(), y.stride(0),
+        TOP_K=k, BLOCK=block, BLOCK_R=block_r, BLOCK_J=block_j, BLOCK_T=block_t, HAS_RANKS=has_ranks)
     return y
 
 

@@ -123,3 +123,13 @@ def test_in_join_under_cuda_graphs_equals_eager_and_is_race_free():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, eager)
+
+
+def test_in_join_with_many_column_tiles(device, monkeypatch):
+    """Small tiles: the activation runs 3 column tiles of 16 and the sum reads their T2 parts 2 at a time."""
+    import moelora_lab.layer_in_join as lij
+    monkeypatch.setattr(lij, "TILE_ELEMENTS", 32)
+    assert lij.join_block(SHAPE.intermediate, 8) == 16
+    p = problem(device, rank=8, seed=31, no_adapter_fraction=0.3)
+    assert_close(moe_lora_layer(**p.layer_inputs(), schedule="in_join"), ml.moe_layer_reference(**p.layer_inputs()),
+                 torch.float32)

@@ -46,15 +46,19 @@ def act_lora_kernel(
     gate = tl.load(row + cols, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(row + I + cols, mask=ok, other=0.0).to(tl.float32)
     lora = tl.load(token_lora_ptr + pair // top_k)
-    has = lora >= 0
-    lora = tl.maximum(lora, 0)
     expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
-    r_ok = (offs_r < slot_rank(lora_ranks_ptr, lora, R, HAS_RANKS)) & has
-    # the expand of w13: [BLOCK, R] tiles of B times the pair's row of T1 (rank fastest in both)
+    # the pair's row of T1, loaded before its adapter id is known (a warp stalls only at a load's first
+    # use); what the shrink did not write drops out below
     t_row = t1_ptr + pair.to(tl.int64) * stride_tp + offs_r
-    tg = tl.load(t_row, mask=r_ok, other=0.0).to(tl.float32)
-    tu = tl.load(t_row + stride_ts, mask=r_ok, other=0.0).to(tl.float32)
+    tg = tl.load(t_row, mask=offs_r < R, other=0.0).to(tl.float32)
+    tu = tl.load(t_row + stride_ts, mask=offs_r < R, other=0.0).to(tl.float32)
+    has = lora >= 0
+    lora = tl.maximum(lora, 0)
+    r_ok = (offs_r < slot_rank(lora_ranks_ptr, lora, R, HAS_RANKS)) & has
+    tg = tl.where(r_ok, tg, 0.0)
+    tu = tl.where(r_ok, tu, 0.0)
+    # the expand of w13: [BLOCK, R] tiles of B times the pair's row of T1
     b_off = (lora.to(tl.int64) * stride_bl + expert * stride_be + cols[:, None] * stride_bn
              + offs_r[None, :] * stride_br)
     b_ok = ok[:, None] & r_ok[None, :]
@@ -82,33 +86,40 @@ def sum_lora_kernel(
     y_ptr,             # [M, H] output, x's dtype
     H, R, NT,
     stride_c, stride_2p, stride_2t, stride_bl, stride_be, stride_bn, stride_br, stride_y,
-    TOP_K: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
-    HAS_RANKS: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_J: tl.constexpr,
+    BLOCK_T: tl.constexpr, HAS_RANKS: tl.constexpr,
 ):
     """Program (token, column tile): y[t] = sum_j c3[t*k+j] + w_j B2[l, e_j] T2[t*k+j] where the token has an adapter.
 
-    The k pairs are unrolled and each pair's T2 tiles come in one [BLOCK_T, BLOCK_R] load, so every load
-    of the program can be in flight at once: at a few tokens this kernel is latency, not bytes."""
+    At a few tokens this kernel is latency, not bytes: a warp stalls at the first use of a load, so
+    the k pairs are one axis of every tile ([BLOCK_J, ...]) and all their loads are issued together;
+    only B2's address waits, for the adapter and the experts."""
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < H
+    offs_j = tl.arange(0, BLOCK_J)
+    j_ok = offs_j < TOP_K
+    pairs = token.to(tl.int64) * TOP_K + offs_j
     lora = tl.load(token_lora_ptr + token)
-    has = lora >= 0
-    lora = tl.maximum(lora, 0)
+    experts = tl.load(topk_ids_ptr + pairs, mask=j_ok, other=0).to(tl.int64)
+    w = tl.load(weights_ptr + pairs, mask=j_ok, other=0.0)
+    c3 = tl.load(c3_ptr + pairs[:, None] * stride_c + cols[None, :], mask=j_ok[:, None] & ok[None, :], other=0.0)
     offs_r = tl.arange(0, BLOCK_R)
     offs_t = tl.arange(0, BLOCK_T)
+    t = tl.zeros((BLOCK_J, BLOCK_R), dtype=tl.float32)
+    for t0 in range(0, NT, BLOCK_T):            # one step unless the act ran more than BLOCK_T column tiles
+        tt = t0 + offs_t
+        parts = tl.load(t2_ptr + pairs[:, None, None] * stride_2p + tt[None, :, None] * stride_2t
+                        + offs_r[None, None, :],
+                        mask=j_ok[:, None, None] & (tt < NT)[None, :, None] & (offs_r < R)[None, None, :], other=0.0)
+        t += tl.sum(parts, axis=1)                                                   # [BLOCK_J, BLOCK_R]
+    acc = tl.sum(c3.to(tl.float32), axis=0)
+    has = lora >= 0
+    lora = tl.maximum(lora, 0)
     r_ok = (offs_r < slot_rank(lora_ranks_ptr, lora, R, HAS_RANKS)) & has
-    t_ok = (offs_t < NT)[:, None] & r_ok[None, :]
-    b_lora = b2_ptr + lora.to(tl.int64) * stride_bl + cols[:, None] * stride_bn + offs_r[None, :] * stride_br
-    b_ok = ok[:, None] & r_ok[None, :]
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        pair = (token * TOP_K + j).to(tl.int64)
-        acc += tl.load(c3_ptr + pair * stride_c + cols, mask=ok, other=0.0).to(tl.float32)
-        parts = tl.load(t2_ptr + pair * stride_2p + offs_t[:, None] * stride_2t + offs_r[None, :], mask=t_ok,
-                        other=0.0)                                                   # [BLOCK_T, BLOCK_R]
-        t = tl.sum(parts, axis=0) * tl.load(weights_ptr + pair)                       # the act's tiles, summed
-        expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
-        b = tl.load(b_lora + expert * stride_be, mask=b_ok, other=0.0).to(tl.float32)  # [BLOCK, BLOCK_R]
-        acc += tl.sum(b * t[None, :], axis=1)
+    t = tl.where(j_ok[:, None] & r_ok[None, :], t * w[:, None], 0.0)         # rows the act never wrote drop out
+    b = tl.load(b2_ptr + lora.to(tl.int64) * stride_bl + experts[:, None, None] * stride_be
+                + cols[None, :, None] * stride_bn + offs_r[None, None, :] * stride_br,
+                mask=j_ok[:, None, None] & ok[None, :, None] & r_ok[None, None, :], other=0.0)  # [J, BLOCK, R]
+    acc += tl.sum(tl.sum(b.to(tl.float32) * t[:, None, :], axis=2), axis=0)
     tl.store(y_ptr + token.to(tl.int64) * stride_y + cols, acc.to(y_ptr.dtype.element_ty), mask=ok)
