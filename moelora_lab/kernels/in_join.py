@@ -42,35 +42,38 @@ def act_lora_kernel(
     tile = tl.program_id(1)
     cols = tile * BLOCK + tl.arange(0, BLOCK)
     ok = cols < I
-    row = c1_ptr + pair.to(tl.int64) * stride_c
-    gate = tl.load(row + cols, mask=ok, other=0.0).to(tl.float32)
-    up = tl.load(row + I + cols, mask=ok, other=0.0).to(tl.float32)
+    # A warp stalls only at a load's first use, and nothing LoRA can be read before the adapter id and
+    # the expert are known: so every load that does not need them is issued first, with no use in between
+    # (two round trips to memory, not one per line); what the shrink did not write drops out below.
     lora = tl.load(token_lora_ptr + pair // top_k)
-    expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
+    expert = tl.load(topk_ids_ptr + pair)
+    row = c1_ptr + pair.to(tl.int64) * stride_c
+    gate = tl.load(row + cols, mask=ok, other=0.0)
+    up = tl.load(row + I + cols, mask=ok, other=0.0)
     offs_r = tl.arange(0, BLOCK_R)
-    # the pair's row of T1, loaded before its adapter id is known (a warp stalls only at a load's first
-    # use); what the shrink did not write drops out below
     t_row = t1_ptr + pair.to(tl.int64) * stride_tp + offs_r
-    tg = tl.load(t_row, mask=offs_r < R, other=0.0).to(tl.float32)
-    tu = tl.load(t_row + stride_ts, mask=offs_r < R, other=0.0).to(tl.float32)
+    tg = tl.load(t_row, mask=offs_r < R, other=0.0)                      # the pair's row of T1, both slices
+    tu = tl.load(t_row + stride_ts, mask=offs_r < R, other=0.0)
     has = lora >= 0
     lora = tl.maximum(lora, 0)
     r_ok = (offs_r < slot_rank(lora_ranks_ptr, lora, R, HAS_RANKS)) & has
-    tg = tl.where(r_ok, tg, 0.0)
-    tu = tl.where(r_ok, tu, 0.0)
-    # the expand of w13: [BLOCK, R] tiles of B times the pair's row of T1
-    b_off = (lora.to(tl.int64) * stride_bl + expert * stride_be + cols[:, None] * stride_bn
-             + offs_r[None, :] * stride_br)
+    w_off = lora.to(tl.int64) * stride_bl + expert.to(tl.int64) * stride_be
+    b_off = w_off + cols[:, None] * stride_bn + offs_r[None, :] * stride_br                   # [BLOCK, BLOCK_R]
     b_ok = ok[:, None] & r_ok[None, :]
-    gate += tl.sum(tl.load(bg_ptr + b_off, mask=b_ok, other=0.0).to(tl.float32) * tg[None, :], axis=1)
-    up += tl.sum(tl.load(bu_ptr + b_off, mask=b_ok, other=0.0).to(tl.float32) * tu[None, :], axis=1)
+    bg = tl.load(bg_ptr + b_off, mask=b_ok, other=0.0)
+    bu = tl.load(bu_ptr + b_off, mask=b_ok, other=0.0)
+    a_off = (lora.to(tl.int64) * stride_al + expert.to(tl.int64) * stride_ae + offs_r[:, None] * stride_ar
+             + cols[None, :] * stride_ak)
+    a2 = tl.load(a2_ptr + a_off, mask=r_ok[:, None] & ok[None, :], other=0.0)                # [BLOCK_R, BLOCK]
+    # the expand of w13, then the activation
+    tg = tl.where(r_ok, tg.to(tl.float32), 0.0)
+    tu = tl.where(r_ok, tu.to(tl.float32), 0.0)
+    gate = gate.to(tl.float32) + tl.sum(bg.to(tl.float32) * tg[None, :], axis=1)
+    up = up.to(tl.float32) + tl.sum(bu.to(tl.float32) * tu[None, :], axis=1)
     h = (gate / (1.0 + tl.exp(-gate)) * up).to(h_ptr.dtype.element_ty)
     tl.store(h_ptr + pair.to(tl.int64) * stride_h + cols, h, mask=ok)
     # the shrink of w2 over this tile's columns, from h as the w2 GEMM reads it (rounded to x's dtype)
-    a_off = (lora.to(tl.int64) * stride_al + expert * stride_ae + offs_r[:, None] * stride_ar
-             + cols[None, :] * stride_ak)
-    a2 = tl.load(a2_ptr + a_off, mask=r_ok[:, None] & ok[None, :], other=0.0).to(tl.float32)   # [BLOCK_R, BLOCK]
-    part = tl.sum(a2 * h.to(tl.float32)[None, :], axis=1)                                        # [BLOCK_R]
+    part = tl.sum(a2.to(tl.float32) * h.to(tl.float32)[None, :], axis=1)                      # [BLOCK_R]
     tl.store(t2_ptr + pair.to(tl.int64) * stride_2p + tile * stride_2t + offs_r, part, mask=r_ok)
 
 
