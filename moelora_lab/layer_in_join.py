@@ -22,20 +22,29 @@ from .streams import Streams
 
 # a [BLOCK, BLOCK_R] weight tile of at most this many elements per program (32 float32 per thread of 4 warps)
 TILE_ELEMENTS = 4096
+# The activation's tiles: on the H200 (bf16, qwen3-30b-a3b, M = 1, 4, 16, r 16 / 64; the probe
+# scripts/probes/join_tiles.py) column tiles of 64 with 2 warps were within 0.4 us of the fastest of
+# 16..128 x 1..4 warps at M <= 4 and up to 5 us faster than 128 columns with 4 warps at M = 16.
+ACT_WIDEST, ACT_WARPS = 64, 2
 
 
-def join_block(cols: int, tile_rows: int) -> int:
-    """Columns per program of the join kernels: a power of two from 16 to 128, the weight tile (``tile_rows``
-    rows of ranks, times the columns) within TILE_ELEMENTS."""
-    return max(16, min(128, triton.next_power_of_2(cols), TILE_ELEMENTS // tile_rows))
+def join_block(cols: int, tile_rows: int, widest: int = 128) -> int:
+    """Columns per program of the join kernels: a power of two from 16 to ``widest``, the weight tile
+    (``tile_rows`` rows of ranks, times the columns) within TILE_ELEMENTS."""
+    return max(16, min(widest, triton.next_power_of_2(cols), TILE_ELEMENTS // tile_rows))
 
 
-def act_lora(c1, t1, w13_lora_b, w2_lora_a, topk_ids, token_lora, lora_ranks, h):
-    """h [P, I] = silu(gate + Bg T1g) * (up + Bu T1u) and T2 [P, NT, R] float32, each column tile's A2 h."""
+def act_lora(c1, t1, w13_lora_b, w2_lora_a, topk_ids, token_lora, lora_ranks, h, *, block: int | None = None,
+             num_warps: int = ACT_WARPS):
+    """h [P, I] = silu(gate + Bg T1g) * (up + Bu T1u) and T2 [P, NT, R] float32, each column tile's A2 h
+    (``block`` columns per program, a power of two >= 16; default by :func:`join_block`)."""
     P, I = h.shape
     R = w2_lora_a[0].shape[2]
     block_r = triton.next_power_of_2(R)
-    block = join_block(I, block_r)
+    if block is None:
+        block = join_block(I, block_r, ACT_WIDEST)
+    elif not isinstance(block, int) or block < 16 or block & (block - 1):
+        raise ValueError(f"block: expected a power of two >= 16 (columns per program), got {block!r}")
     nt = triton.cdiv(I, block)
     t2 = torch.empty(P, nt, R, dtype=torch.float32, device=h.device)
     bg, bu = w13_lora_b
@@ -46,7 +55,8 @@ def act_lora(c1, t1, w13_lora_b, w2_lora_a, topk_ids, token_lora, lora_ranks, h)
     act_lora_kernel[(P, nt)](
         c1, t1, bg, bu, a2, topk_ids, token_lora, lora_ranks if has_ranks else token_lora, h, t2,
         P // token_lora.shape[0], I, R, c1.stride(0), t1.stride(0), t1.stride(1), *bg.stride(), *a2.stride(),
-        h.stride(0), t2.stride(0), t2.stride(1), BLOCK=block, BLOCK_R=block_r, HAS_RANKS=has_ranks)
+        h.stride(0), t2.stride(0), t2.stride(1), BLOCK=block, BLOCK_R=block_r, HAS_RANKS=has_ranks,
+        num_warps=num_warps)
     return t2
 
 

@@ -90,7 +90,29 @@ def test_join_kernels_write_every_output_and_read_only_what_the_shrinks_wrote(de
 
 def test_join_block_keeps_the_weight_tile_small():
     assert [join_block(768, r) for r in (16, 64, 256, 512)] == [128, 64, 16, 16]
-    assert join_block(40, 8) == 64 and join_block(8, 8) == 16
+    assert join_block(40, 8) == 64 and join_block(8, 8) == 16 and join_block(768, 16, 64) == 64
+
+
+@pytest.mark.parametrize("block", [16, 32])
+def test_act_lora_with_given_tiles_and_its_errors(device, block):
+    """The activation with the probe's tiles gives the same h and T2 sums as the rule's; bad tiles are refused."""
+    p = problem(device, M=5, rank=8, seed=8)
+    inputs = p.layer_inputs()
+    P, I = 5 * SHAPE.top_k, SHAPE.intermediate
+    t1 = torch.randn(2, P, 8, device=device)
+    c1 = torch.randn(P, 2 * I, device=device)
+    args = (c1, t1, inputs["w13_lora_b"], inputs["w2_lora_a"], p.topk_ids.reshape(-1), p.token_lora.to(torch.int32),
+            None)
+    h_rule, h = poisoned((P, I), torch.float32, device), poisoned((P, I), torch.float32, device)
+    t2_rule = act_lora(*args, h_rule)
+    t2 = act_lora(*args, h, block=block, num_warps=1)
+    assert t2.shape[1] == -(-I // block) != t2_rule.shape[1]
+    assert_close(h, h_rule, torch.float32)
+    has = p.token_lora.repeat_interleave(SHAPE.top_k) >= 0
+    assert_close(t2[has].sum(1), t2_rule[has].sum(1), torch.float32)
+    for bad in (8, 48, 32.0):
+        with pytest.raises(ValueError, match="block: expected a power of two >= 16"):
+            act_lora(*args, h, block=bad)
 
 
 def test_in_join_refuses_what_it_cannot_mean(device):
