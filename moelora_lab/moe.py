@@ -228,18 +228,22 @@ def _w_descriptor(w: torch.Tensor, block_n: int, block_k: int):
     return TensorDescriptor.from_tensor(w.view(E * N, K), [block_n, block_k])
 
 
+SUM_TILE_ELEMENTS = 4096      # the top-k sum's [k, BLOCK] tile of rows per program
+
+
 def _block(n: int) -> int:
     return min(1024 if not INTERPRET else 4096, triton.next_power_of_2(n))
 
 
-def _rowwise(kernel, src, dst, rows: int, cols: int, top_k: int, delta, token_lora):
+def _rowwise(kernel, src, dst, rows: int, cols: int, top_k: int, delta, token_lora, block: int | None = None,
+             **meta):
     """Launch one (row, column tile) epilogue kernel, with or without the LoRA delta."""
-    block = _block(cols)
+    block = block or _block(cols)
     has = delta is not None
     with on_device(src):
         kernel[(rows, triton.cdiv(cols, block))](
             src, delta if has else src, token_lora if has else src, dst, top_k, cols, src.stride(0),
-            delta.stride(0) if has else 0, dst.stride(0), BLOCK=block, HAS_DELTA=has)
+            delta.stride(0) if has else 0, dst.stride(0), BLOCK=block, HAS_DELTA=has, **meta)
     return dst
 
 
@@ -252,4 +256,7 @@ def silu_and_mul(c1: torch.Tensor, h: torch.Tensor, *, top_k: int, delta: torch.
 def topk_sum(c3: torch.Tensor, y: torch.Tensor, *, top_k: int, delta: torch.Tensor | None = None,
              token_lora: torch.Tensor | None = None) -> torch.Tensor:
     """y[t] = sum_j c3[t*k + j] (plus the LoRA delta of tokens with an adapter) into y [M, H]."""
-    return _rowwise(topk_sum_kernel, c3, y, y.shape[0], y.shape[1], top_k, delta, token_lora)
+    block_j = triton.next_power_of_2(top_k)
+    block = max(16, min(_block(y.shape[1]), SUM_TILE_ELEMENTS // block_j))     # [k, BLOCK] rows per program
+    return _rowwise(topk_sum_kernel, c3, y, y.shape[0], y.shape[1], top_k, delta, token_lora, block,
+                    BLOCK_J=block_j)

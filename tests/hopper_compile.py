@@ -16,7 +16,8 @@ os.environ["MOELORA_INTERPRET"] = "0"
 import triton  # noqa: E402  (after the switch: moelora_lab is imported below, kernels after it)
 
 import moelora_lab  # noqa: E402,F401
-from moelora_lab.kernels import align, base_moe, combine, in_k, in_k_overlap, one_shot, small_batch, two_kernel  # noqa: E402,E501
+from moelora_lab.kernels import (align, base_moe, combine, in_join, in_k, in_k_overlap, one_shot,  # noqa: E402
+                                 small_batch, two_kernel)
 from moelora_lab.dispatch import one_shot_build_rule  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -108,7 +109,14 @@ def main():
         ("silu_and_mul", base_moe.silu_and_mul_kernel, dict(ptrs("c1_ptr", "delta_ptr", "h_ptr"), token_lora_ptr=i32),
          dict(BLOCK=1024, HAS_DELTA=True)),
         ("topk_sum", base_moe.topk_sum_kernel, dict(ptrs("c3_ptr", "delta_ptr", "y_ptr"), token_lora_ptr=i32),
-         dict(BLOCK=1024, HAS_DELTA=True)),
+         dict(BLOCK=512, HAS_DELTA=True, BLOCK_J=8)),
+        ("in_join.act_lora", in_join.act_lora_kernel,
+         dict(ptrs("c1_ptr", "t1_ptr", "bg_ptr", "bu_ptr", "a2_ptr", "h_ptr"), t2_ptr="*fp32", topk_ids_ptr=i32,
+              token_lora_ptr=i32, lora_ranks_ptr=i32), dict(BLOCK=64, BLOCK_R=64, HAS_RANKS=True)),
+        ("in_join.sum_lora", in_join.sum_lora_kernel,
+         dict(ptrs("c3_ptr", "b2_ptr", "y_ptr"), t2_ptr="*fp32", topk_ids_ptr=i32, weights_ptr="*fp32",
+              token_lora_ptr=i32, lora_ranks_ptr=i32),
+         dict(TOP_K=8, BLOCK=32, BLOCK_R=16, BLOCK_J=8, BLOCK_T=8, HAS_RANKS=True)),
         ("in_k.shrink_tail", in_k.shrink_tail_kernel, tail, dict(tail_c, TOKEN_ROWS=False)),
         ("in_k.shrink_tail, token rows (w13)", in_k.shrink_tail_kernel, tail, dict(tail_c, TOKEN_ROWS=True)),
         ("in_k.shrink_tail, both w13 slices from one read", in_k.shrink_tail_kernel, tail,

@@ -214,3 +214,25 @@ def test_in_gemm_lora_reads_only_each_slots_rank(device):
 
 def test_fused_columns():
     assert fused_columns(4, 16) == 64 and fused_columns(3, 5) == 16 and fused_columns(3, 48) == 256
+
+
+@pytest.mark.parametrize("top_k, cols", [(6, 40), (8, 1030)])
+def test_joins_drop_the_delta_of_tokens_without_an_adapter(device, top_k, cols):
+    """The activation and the top-k sum read a delta row before they know the token's adapter: rows of tokens
+    without one hold NaN here (never written by the LoRA) and must not reach the output; the outputs start as
+    NaN, so an unwritten element fails too. k = 6 pads the sum's tile of rows, 1030 columns split into tiles."""
+    gen = torch.Generator().manual_seed(top_k)
+    M = 7
+    P = M * top_k
+    token_lora = torch.tensor([0, -1, 2, -1, 1, 0, -1], dtype=torch.int32).to(device)
+    no_adapter = (token_lora < 0).repeat_interleave(top_k)
+    c1, d13 = (torch.randn(P, 2 * cols, generator=gen).to(device) for _ in range(2))
+    c3, d2 = (torch.randn(P, cols, generator=gen).to(device) for _ in range(2))
+    d13[no_adapter], d2[no_adapter] = float("nan"), float("nan")
+    h = moe.silu_and_mul(c1, poisoned((P, cols), torch.float32, device), top_k=top_k, delta=d13, token_lora=token_lora)
+    g = c1 + torch.nan_to_num(d13)
+    assert_close(h, torch.nn.functional.silu(g[:, :cols]) * g[:, cols:], torch.float32)
+    y = moe.topk_sum(c3, poisoned((M, cols), torch.float32, device), top_k=top_k, delta=d2, token_lora=token_lora)
+    assert_close(y, (c3 + torch.nan_to_num(d2)).view(M, top_k, cols).sum(1), torch.float32)
+    plain = moe.topk_sum(c3, poisoned((M, cols), torch.float32, device), top_k=top_k)
+    assert_close(plain, c3.view(M, top_k, cols).sum(1), torch.float32)

@@ -192,7 +192,10 @@ def silu_and_mul_kernel(
     top_k, I, stride_c, stride_d, stride_h,
     BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr,
 ):
-    """Program (pair, column tile): h = silu(gate + dg) * (up + du), the delta only where there is one."""
+    """Program (pair, column tile): h = silu(gate + dg) * (up + du), the delta only where there is one.
+
+    The delta row is loaded before the adapter id is known and dropped where the pair has none (a warp
+    stalls only at a load's first use: one round trip to memory, not two)."""
     pair = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < I
@@ -200,10 +203,12 @@ def silu_and_mul_kernel(
     gate = tl.load(row + cols, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(row + I + cols, mask=ok, other=0.0).to(tl.float32)
     if HAS_DELTA:
-        has = tl.load(token_lora_ptr + pair // top_k) >= 0
+        lora = tl.load(token_lora_ptr + pair // top_k)
         drow = delta_ptr + pair.to(tl.int64) * stride_d
-        gate += tl.load(drow + cols, mask=ok & has, other=0.0).to(tl.float32)
-        up += tl.load(drow + I + cols, mask=ok & has, other=0.0).to(tl.float32)
+        dg = tl.load(drow + cols, mask=ok, other=0.0)
+        du = tl.load(drow + I + cols, mask=ok, other=0.0)
+        gate += tl.where(lora >= 0, dg.to(tl.float32), 0.0)
+        up += tl.where(lora >= 0, du.to(tl.float32), 0.0)
     h = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(h_ptr + pair.to(tl.int64) * stride_h + cols, h.to(h_ptr.dtype.element_ty), mask=ok)
 
@@ -215,18 +220,22 @@ def topk_sum_kernel(
     token_lora_ptr,    # [M] int32
     y_ptr,             # [M, H] output
     top_k, H, stride_c, stride_d, stride_y,
-    BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr,
+    BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr, BLOCK_J: tl.constexpr,
 ):
-    """Program (token, column tile): y[t] = sum_j c3[t*k+j] (+ delta[t*k+j] if the token has an adapter)."""
+    """Program (token, column tile): y[t] = sum_j c3[t*k+j] (+ delta[t*k+j] if the token has an adapter).
+
+    The token's k rows are one axis of a [BLOCK_J, BLOCK] tile, so all their loads are in flight at once:
+    at a few tokens this kernel is latency (a loop over the k rows waited for each row before it asked for
+    the next), and the delta is dropped after the load where the token has no adapter."""
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < H
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    offs_j = tl.arange(0, BLOCK_J)
+    ok = (offs_j < top_k)[:, None] & (cols < H)[None, :]
+    pairs = token.to(tl.int64) * top_k + offs_j
+    rows = tl.load(c3_ptr + pairs[:, None] * stride_c + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     if HAS_DELTA:
-        has = tl.load(token_lora_ptr + token) >= 0
-    for j in range(top_k):
-        pair = (token * top_k + j).to(tl.int64)
-        acc += tl.load(c3_ptr + pair * stride_c + cols, mask=ok, other=0.0).to(tl.float32)
-        if HAS_DELTA:
-            acc += tl.load(delta_ptr + pair * stride_d + cols, mask=ok & has, other=0.0).to(tl.float32)
-    tl.store(y_ptr + token.to(tl.int64) * stride_y + cols, acc.to(y_ptr.dtype.element_ty), mask=ok)
+        lora = tl.load(token_lora_ptr + token)
+        d = tl.load(delta_ptr + pairs[:, None] * stride_d + cols[None, :], mask=ok, other=0.0)
+        rows += tl.where(lora >= 0, d.to(tl.float32), 0.0)
+    acc = tl.sum(rows, axis=0)
+    tl.store(y_ptr + token.to(tl.int64) * stride_y + cols, acc.to(y_ptr.dtype.element_ty), mask=cols < H)
