@@ -228,7 +228,12 @@ def _w_descriptor(w: torch.Tensor, block_n: int, block_k: int):
     return TensorDescriptor.from_tensor(w.view(E * N, K), [block_n, block_k])
 
 
+# The top-k sum: on the H200 (bf16, qwen3-30b-a3b; scripts/probes/join_tiles.py and data/h200/layer.csv) a
+# token's k rows as one [k, BLOCK] tile took the sum with the two-stream layer's delta from 11.5 to 6.3 us at
+# M = 1 to 16 and left the layer without LoRA level up to M = 128 (1024 pairs); at M = 512, 2048 and 8192 the
+# layer without LoRA lost 5, 22 and about 100 us to it against the loop over the rows, which runs there.
 SUM_TILE_ELEMENTS = 4096      # the top-k sum's [k, BLOCK] tile of rows per program
+SUM_TILE_MAX_PAIRS = 1024
 
 
 def _block(n: int) -> int:
@@ -257,6 +262,12 @@ def topk_sum(c3: torch.Tensor, y: torch.Tensor, *, top_k: int, delta: torch.Tens
              token_lora: torch.Tensor | None = None) -> torch.Tensor:
     """y[t] = sum_j c3[t*k + j] (plus the LoRA delta of tokens with an adapter) into y [M, H]."""
     block_j = triton.next_power_of_2(top_k)
-    block = max(16, min(_block(y.shape[1]), SUM_TILE_ELEMENTS // block_j))     # [k, BLOCK] rows per program
+    tile = rows_as_tile(c3.shape[0])
+    block = max(16, min(_block(y.shape[1]), SUM_TILE_ELEMENTS // block_j)) if tile else None
     return _rowwise(topk_sum_kernel, c3, y, y.shape[0], y.shape[1], top_k, delta, token_lora, block,
-                    BLOCK_J=block_j)
+                    BLOCK_J=block_j, ROWS_AS_TILE=tile)
+
+
+def rows_as_tile(num_pairs: int) -> bool:
+    """Whether the top-k sum takes a token's k rows as one tile (few pairs) or loops over them (many)."""
+    return num_pairs <= SUM_TILE_MAX_PAIRS

@@ -216,13 +216,16 @@ def test_fused_columns():
     assert fused_columns(4, 16) == 64 and fused_columns(3, 5) == 16 and fused_columns(3, 48) == 256
 
 
+@pytest.mark.parametrize("tile", [True, False])
 @pytest.mark.parametrize("top_k, cols", [(6, 40), (8, 1030)])
-def test_joins_drop_the_delta_of_tokens_without_an_adapter(device, top_k, cols):
+def test_joins_drop_the_delta_of_tokens_without_an_adapter(device, top_k, cols, tile, monkeypatch):
     """The activation and the top-k sum read a delta row before they know the token's adapter: rows of tokens
     without one hold NaN here (never written by the LoRA) and must not reach the output; the outputs start as
     NaN, so an unwritten element fails too. k = 6 pads the sum's tile of rows, 1030 columns split into tiles."""
+    monkeypatch.setattr(moe, "SUM_TILE_MAX_PAIRS", 10**6 if tile else 0)     # the sum's two forms
     gen = torch.Generator().manual_seed(top_k)
     M = 7
+    assert moe.rows_as_tile(M * top_k) == tile
     P = M * top_k
     token_lora = torch.tensor([0, -1, 2, -1, 1, 0, -1], dtype=torch.int32).to(device)
     no_adapter = (token_lora < 0).repeat_interleave(top_k)
@@ -236,3 +239,8 @@ def test_joins_drop_the_delta_of_tokens_without_an_adapter(device, top_k, cols):
     assert_close(y, (c3 + torch.nan_to_num(d2)).view(M, top_k, cols).sum(1), torch.float32)
     plain = moe.topk_sum(c3, poisoned((M, cols), torch.float32, device), top_k=top_k)
     assert_close(plain, c3.view(M, top_k, cols).sum(1), torch.float32)
+
+
+def test_the_sum_takes_rows_as_a_tile_up_to_its_pairs():
+    assert moe.rows_as_tile(1) and moe.rows_as_tile(moe.SUM_TILE_MAX_PAIRS)
+    assert not moe.rows_as_tile(moe.SUM_TILE_MAX_PAIRS + 1)

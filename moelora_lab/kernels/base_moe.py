@@ -220,22 +220,33 @@ def topk_sum_kernel(
     token_lora_ptr,    # [M] int32
     y_ptr,             # [M, H] output
     top_k, H, stride_c, stride_d, stride_y,
-    BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr, BLOCK_J: tl.constexpr,
+    BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr, BLOCK_J: tl.constexpr, ROWS_AS_TILE: tl.constexpr,
 ):
     """Program (token, column tile): y[t] = sum_j c3[t*k+j] (+ delta[t*k+j] if the token has an adapter).
 
-    The token's k rows are one axis of a [BLOCK_J, BLOCK] tile, so all their loads are in flight at once:
-    at a few tokens this kernel is latency (a loop over the k rows waited for each row before it asked for
-    the next), and the delta is dropped after the load where the token has no adapter."""
+    ROWS_AS_TILE (few tokens): the token's k rows are one axis of a [BLOCK_J, BLOCK] tile, so all their
+    loads are in flight at once, and the delta is dropped after its load where the token has no adapter;
+    a loop over the rows waits for each row before it asks for the next, and at a few tokens this kernel
+    is that latency. Otherwise (many tokens, where the loop's programs hide each other's waits) a loop."""
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    offs_j = tl.arange(0, BLOCK_J)
-    ok = (offs_j < top_k)[:, None] & (cols < H)[None, :]
-    pairs = token.to(tl.int64) * top_k + offs_j
-    rows = tl.load(c3_ptr + pairs[:, None] * stride_c + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    if HAS_DELTA:
-        lora = tl.load(token_lora_ptr + token)
-        d = tl.load(delta_ptr + pairs[:, None] * stride_d + cols[None, :], mask=ok, other=0.0)
-        rows += tl.where(lora >= 0, d.to(tl.float32), 0.0)
-    acc = tl.sum(rows, axis=0)
+    if ROWS_AS_TILE:
+        offs_j = tl.arange(0, BLOCK_J)
+        ok = (offs_j < top_k)[:, None] & (cols < H)[None, :]
+        pairs = token.to(tl.int64) * top_k + offs_j
+        rows = tl.load(c3_ptr + pairs[:, None] * stride_c + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        if HAS_DELTA:
+            lora = tl.load(token_lora_ptr + token)
+            d = tl.load(delta_ptr + pairs[:, None] * stride_d + cols[None, :], mask=ok, other=0.0)
+            rows += tl.where(lora >= 0, d.to(tl.float32), 0.0)
+        acc = tl.sum(rows, axis=0)
+    else:
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        if HAS_DELTA:
+            has = tl.load(token_lora_ptr + token) >= 0
+        for j in range(top_k):
+            pair = (token * top_k + j).to(tl.int64)
+            acc += tl.load(c3_ptr + pair * stride_c + cols, mask=cols < H, other=0.0).to(tl.float32)
+            if HAS_DELTA:
+                acc += tl.load(delta_ptr + pair * stride_d + cols, mask=(cols < H) & has, other=0.0).to(tl.float32)
     tl.store(y_ptr + token.to(tl.int64) * stride_y + cols, acc.to(y_ptr.dtype.element_ty), mask=cols < H)
