@@ -228,10 +228,13 @@ def _w_descriptor(w: torch.Tensor, block_n: int, block_k: int):
     return TensorDescriptor.from_tensor(w.view(E * N, K), [block_n, block_k])
 
 
-# The top-k sum: on the H200 (bf16, qwen3-30b-a3b; scripts/probes/join_tiles.py and data/h200/layer.csv) a
-# token's k rows as one [k, BLOCK] tile took the sum with the two-stream layer's delta from 11.5 to 6.3 us at
-# M = 1 to 16 and left the layer without LoRA level up to M = 128 (1024 pairs); at M = 512, 2048 and 8192 the
-# layer without LoRA lost 5, 22 and about 100 us to it against the loop over the rows, which runs there.
+# The joins at few pairs (the top-k sum's rows as one tile, both joins' delta loaded before the adapter id;
+# ``rows_as_tile``): on the H200 (bf16, qwen3-30b-a3b, M = 1..16; data/history/join_tiles_313694704f.csv
+# against join_tiles_ace8dd7b5e.csv) the sum with the two-stream layer's delta went from 11.4-12.6 to
+# 6.3-6.9 us and the plain sum from 7.7-8.6 to 6.1-6.5. Against the loop, the layer without LoRA less its
+# base GEMMs (same run each) was level within 1.2 us at M = 64 and 128 (1024 pairs) and slower at
+# M = 512 (5.7-6.8 us; data/history/layer_6ad55b8597.csv against layer_ace8dd7b5e.csv and layer.csv); at
+# M = 2048 and 8192 the layer without LoRA lost 31-37 and 78-148 us to the tile: the loop runs there.
 SUM_TILE_ELEMENTS = 4096      # the top-k sum's [k, BLOCK] tile of rows per program
 SUM_TILE_MAX_PAIRS = 1024
 
@@ -255,7 +258,8 @@ def _rowwise(kernel, src, dst, rows: int, cols: int, top_k: int, delta, token_lo
 def silu_and_mul(c1: torch.Tensor, h: torch.Tensor, *, top_k: int, delta: torch.Tensor | None = None,
                  token_lora: torch.Tensor | None = None) -> torch.Tensor:
     """h = silu(gate) * up of c1 [P, 2I] (plus the LoRA delta of pairs with an adapter) into h [P, I]."""
-    return _rowwise(silu_and_mul_kernel, c1, h, h.shape[0], h.shape[1], top_k, delta, token_lora)
+    return _rowwise(silu_and_mul_kernel, c1, h, h.shape[0], h.shape[1], top_k, delta, token_lora,
+                    DELTA_EARLY=rows_as_tile(h.shape[0]))
 
 
 def topk_sum(c3: torch.Tensor, y: torch.Tensor, *, top_k: int, delta: torch.Tensor | None = None,
@@ -269,5 +273,6 @@ def topk_sum(c3: torch.Tensor, y: torch.Tensor, *, top_k: int, delta: torch.Tens
 
 
 def rows_as_tile(num_pairs: int) -> bool:
-    """Whether the top-k sum takes a token's k rows as one tile (few pairs) or loops over them (many)."""
+    """Whether the joins run their few-pairs form: the top-k sum takes a token's k rows as one tile (else it
+    loops over them) and both joins load a delta row before they know its adapter (else the load waits)."""
     return num_pairs <= SUM_TILE_MAX_PAIRS

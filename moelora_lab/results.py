@@ -174,11 +174,16 @@ def load_traces(name: str = "layer_traces", data_dir=None) -> dict:
     return traces
 
 
-def label(row: dict) -> str:
-    """One line of provenance for a figure or a table: GPU, software, date and code version."""
-    missing = [k for k in ("gpu", "torch", "triton", "date") if k not in row]
-    if missing:
-        raise KeyError(f"row: provenance field(s) {', '.join(missing)} missing; expected a row of a committed "
-                       "CSV or the 'meta' of a committed trace")
-    return (f"{row['gpu']}, torch {row['torch']}, triton {row['triton']}, {row['date']}, "
-            f"code {row.get('code', '?')}")
+def label(row) -> str:
+    """One line of provenance for a figure or a table: GPU, software, date and code version. Given a list
+    of rows (a file whose cases ran in more than one run), the distinct dates and codes, joined."""
+    rows = row if isinstance(row, (list, tuple)) else [row]
+    missing = sorted({k for r in rows for k in ("gpu", "torch", "triton", "date") if k not in r})
+    if missing or not rows:
+        raise KeyError(f"row: provenance field(s) {', '.join(missing) or 'all'} missing; expected a row of a "
+                       "committed CSV or the 'meta' of a committed trace")
+
+    def joined(key):
+        return " + ".join(dict.fromkeys(str(r.get(key, "?")) for r in rows))
+
+    return f"{joined('gpu')}, torch {joined('torch')}, triton {joined('triton')}, {joined('date')}, code {joined('code')}"

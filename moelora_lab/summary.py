@@ -131,7 +131,7 @@ def _layer_section(layer) -> list[str]:
                           if (rank, m, a) in t and (rank, m, b) in t else "")
 
     out = ["", "The layer (`python -m moelora_lab.bench layer`, qwen3-30b-a3b, bf16, 4 adapters, routing plan built",
-           f"outside the timed region; `layer.csv`, code {layer[0]['code']}):", "",
+           f"outside the timed region; `layer.csv`, {_codes(layer)}):", "",
            "| M | " + " | ".join(str(m) for m in ms) + " |", "|---|" + "---|" * len(ms),
            line("no LoRA [µs]", lambda m: f"{t[16, m, 'no_lora']['us_median']:.1f}")]
     for rank in ranks:
@@ -160,6 +160,16 @@ def _layer_section(layer) -> list[str]:
     return out
 
 
+def _codes(rows) -> str:
+    """'code X', or where a file joins cases of more than one run, each code with the tokens it ran."""
+    by_code = {}
+    for r in rows:
+        by_code.setdefault(r["code"], set()).add(r["M"])
+    if len(by_code) == 1:
+        return f"code {rows[0]['code']}"
+    return " and ".join(f"code {code} (M = {_span(sorted(ms), '{}')})" for code, ms in by_code.items())
+
+
 def measured_markdown(data_dir=results.DATA_DIR) -> str:
     """The README's measured section, from the committed (stamp-checked) data."""
     kernels = results.load("kernels", data_dir)
@@ -167,8 +177,8 @@ def measured_markdown(data_dir=results.DATA_DIR) -> str:
     align = results.load("align", data_dir)
     vllm = results.read_csv(results.DATA_DIR / "vllm_reference.csv")     # vLLM's code: no stamp of ours
     head = kernels[0]
-    codes = f"code {head['code']}" if head["code"] == layer[0]["code"] else \
-        f"the op's sweep at code {head['code']}, the layer's at code {layer[0]['code']}"
+    codes = f"code {head['code']}" if {head["code"]} == {r["code"] for r in layer} else \
+        f"the op's sweep at code {head['code']}, the layer's at {_codes(layer)}"
     out = [f"Measured on one {head['gpu']} (bf16, 4 adapters, torch {head['torch']}, triton {head['triton']}, "
            f"{head['date']}, {codes}; files under `moelora_lab/data/h200/`).", ""]
     op = _op_section(kernels, vllm, align)

@@ -108,6 +108,8 @@ def main():
          dict(gemm_c, BLOCK_M=64, GROUP_M=8, BLOCK_LR=64, HAS_LORA=True, HAS_RANKS=True, T_IN=True)),
         ("silu_and_mul", base_moe.silu_and_mul_kernel, dict(ptrs("c1_ptr", "delta_ptr", "h_ptr"), token_lora_ptr=i32),
          dict(BLOCK=1024, HAS_DELTA=True)),
+        ("silu_and_mul, the delta loaded early", base_moe.silu_and_mul_kernel,
+         dict(ptrs("c1_ptr", "delta_ptr", "h_ptr"), token_lora_ptr=i32), dict(BLOCK=1024, HAS_DELTA=True, DELTA_EARLY=True)),
         ("topk_sum", base_moe.topk_sum_kernel, dict(ptrs("c3_ptr", "delta_ptr", "y_ptr"), token_lora_ptr=i32),
          dict(BLOCK=512, HAS_DELTA=True, BLOCK_J=8, ROWS_AS_TILE=True)),
         ("topk_sum, a loop over the rows", base_moe.topk_sum_kernel,

@@ -190,12 +190,13 @@ def silu_and_mul_kernel(
     token_lora_ptr,    # [M] int32, -1 = no adapter
     h_ptr,             # [P, I] activation out, x's dtype
     top_k, I, stride_c, stride_d, stride_h,
-    BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr,
+    BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr, DELTA_EARLY: tl.constexpr = False,
 ):
     """Program (pair, column tile): h = silu(gate + dg) * (up + du), the delta only where there is one.
 
-    The delta row is loaded before the adapter id is known and dropped where the pair has none (a warp
-    stalls only at a load's first use: one round trip to memory, not two)."""
+    DELTA_EARLY (few pairs, where this kernel is latency): the delta row is loaded before the adapter id
+    is known and dropped by a select where the pair has none: one round trip to memory, not two, for the
+    price of reading rows never written. Otherwise the load is masked by the adapter: no such row is read."""
     pair = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < I
@@ -203,12 +204,16 @@ def silu_and_mul_kernel(
     gate = tl.load(row + cols, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(row + I + cols, mask=ok, other=0.0).to(tl.float32)
     if HAS_DELTA:
-        lora = tl.load(token_lora_ptr + pair // top_k)
+        has = tl.load(token_lora_ptr + pair // top_k) >= 0
         drow = delta_ptr + pair.to(tl.int64) * stride_d
-        dg = tl.load(drow + cols, mask=ok, other=0.0)
-        du = tl.load(drow + I + cols, mask=ok, other=0.0)
-        gate += tl.where(lora >= 0, dg.to(tl.float32), 0.0)
-        up += tl.where(lora >= 0, du.to(tl.float32), 0.0)
+        if DELTA_EARLY:
+            dg = tl.load(drow + cols, mask=ok, other=0.0)
+            du = tl.load(drow + I + cols, mask=ok, other=0.0)
+            gate += tl.where(has, dg.to(tl.float32), 0.0)
+            up += tl.where(has, du.to(tl.float32), 0.0)
+        else:
+            gate += tl.load(drow + cols, mask=ok & has, other=0.0).to(tl.float32)
+            up += tl.load(drow + I + cols, mask=ok & has, other=0.0).to(tl.float32)
     h = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(h_ptr + pair.to(tl.int64) * stride_h + cols, h.to(h_ptr.dtype.element_ty), mask=ok)
 
@@ -224,10 +229,12 @@ def topk_sum_kernel(
 ):
     """Program (token, column tile): y[t] = sum_j c3[t*k+j] (+ delta[t*k+j] if the token has an adapter).
 
-    ROWS_AS_TILE (few tokens): the token's k rows are one axis of a [BLOCK_J, BLOCK] tile, so all their
-    loads are in flight at once, and the delta is dropped after its load where the token has no adapter;
-    a loop over the rows waits for each row before it asks for the next, and at a few tokens this kernel
-    is that latency. Otherwise (many tokens, where the loop's programs hide each other's waits) a loop."""
+    ROWS_AS_TILE (few pairs): the token's k rows are one axis of a [BLOCK_J, BLOCK] tile, so all their
+    loads are in flight at once, and the delta, loaded before the adapter id is known, is dropped by a
+    select where the token has none (rows never written are read, not used); a loop over the rows waits
+    for each row before it asks for the next, and at a few tokens this kernel is that latency. Otherwise
+    (many pairs, where the loop's programs hide each other's waits) a loop, the delta load masked by the
+    adapter."""
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     if ROWS_AS_TILE:

@@ -104,7 +104,8 @@ def save_layer_plots(rows, out_dir, name="layer"):
         for j, rank in enumerate(ranks):
             draw_layer_times(axes[0][j], rows, preset=preset, rank=rank)
             draw_lora_overhead(axes[1][j], rows, preset=preset, ranks=[rank], legend=j == len(ranks) - 1)
-        fig.suptitle(f"MoE layer with LoRA (bf16, {rows[0]['loras']} adapters): {label(rows[0])}", fontsize=10)
+        runs = label([r for r in rows if r["preset"] == preset])          # a file may join two runs' cases
+        fig.suptitle(f"MoE layer with LoRA (bf16, {rows[0]['loras']} adapters): {runs}", fontsize=10)
         path = Path(out_dir) / f"{name}_{preset}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)

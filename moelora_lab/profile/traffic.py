@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..moe import rows_as_tile
 from ..paths import TRITON_PATHS
 from ..validate import INDEX_DTYPES, check_choice, check_int, check_range, check_tensor
 
@@ -252,13 +253,15 @@ def layer_traffic(
 
     base_w13  read x M*H*b and touched_experts*2I*H*b, write c1 M*k*2I*b; FLOPs 2*M*k*2I*H.
     lora_w13  lora_op_traffic(K=H, N=I, S=2, x_rows "token", add_inputs False): writes d13.
-    act       h = silu(c1g + d13g) * (c1u + d13u): read c1 M*k*2I*b and d13 P_a*2I*b, write
+    act       h = silu(c1g + d13g) * (c1u + d13u): read c1 M*k*2I*b and d13 P_r*2I*b, write
               M*k*I*b; FLOPs 5*M*k*I (silu as x/(1+exp(-x)): 4, the product: 1) + P_a*2I (adds).
     base_w2   read h M*k*I*b and touched_experts*H*I*b, write c3 M*k*H*b;
               FLOPs 2*M*k*H*I + M*k*H (routing weight).
     lora_w2   lora_op_traffic(K=I, N=H, S=1, x_rows "pair", add_inputs False): writes d2.
-    sum       y = sum over k of c3 + d2: read c3 M*k*H*b and d2 P_a*H*b, write M*H*b;
-              FLOPs M*(k-1)*H + P_a*H.
+    sum       y = sum over k of c3 + d2: read c3 M*k*H*b and d2 P_r*H*b, write M*H*b;
+              FLOPs M*(k-1)*H + P_a*H. P_r, the delta rows the joins read: P_a, or every pair's row
+              up to ``moe.SUM_TILE_MAX_PAIRS`` pairs (there the joins load a row before they know its
+              token's adapter, one round trip instead of two: ``moe.rows_as_tile``).
     total     sum of the stages above.
     floor     fully fused: x read once, every touched base weight (T_e*3*I*H*b) and touched
               LoRA weight (T*(W1_w13 + W1_w2)*b) read once, y written once; FLOPs of total, 1 launch.
@@ -290,7 +293,8 @@ def layer_traffic(
             x_rows="token", dtype_bytes=b, add_inputs=False,
         )
     pa = wl.pairs_with_adapter if with_lora else 0
-    d13 = [("d13", pa * 2 * i_dim * b)] if with_lora else []
+    pr = m * k if with_lora and rows_as_tile(m * k) else pa          # delta rows the joins read
+    d13 = [("d13", pr * 2 * i_dim * b)] if with_lora else []
     stages["act"] = _traffic([("c1", m * k * 2 * i_dim * b)] + d13, [("h", m * k * i_dim * b)],
                              5 * m * k * i_dim + pa * 2 * i_dim, 1)
     stages["base_w2"] = _traffic(
@@ -303,7 +307,7 @@ def layer_traffic(
             lora_path, wl, in_features=i_dim, out_features=h_dim, num_slices=1, rank=r,
             x_rows="pair", dtype_bytes=b, add_inputs=False,
         )
-    d2 = [("d2", pa * h_dim * b)] if with_lora else []
+    d2 = [("d2", pr * h_dim * b)] if with_lora else []
     stages["sum"] = _traffic([("c3", m * k * h_dim * b)] + d2, [("y", m * h_dim * b)],
                              m * (k - 1) * h_dim + pa * h_dim, 1)
 
