@@ -201,4 +201,4 @@ def source(rows: list[dict], *, live: bool = False) -> str:
     label of a tile walk measured under older rules, see :data:`results.WALKS`)."""
     rows = rows if isinstance(rows, list) else [rows]
     older = None if live or "config" not in rows[0] else results.older_rules(rows)
-    return ("measured now: " if live else "committed data: ") + results.label(rows[0]) + (f"; {older}" if older else "")
+    return ("measured now: " if live else "committed data: ") + results.label(rows) + (f"; {older}" if older else "")

@@ -6,7 +6,7 @@ import torch
 
 import moelora_lab as ml
 from moelora_lab.layer import moe_lora_layer, plan_layer
-from utils import TOL
+from utils import TOL, check_layer_schedule
 
 SHAPE = ml.MoEShape(48, 40, 6, 2, "layer-test")
 
@@ -52,19 +52,13 @@ def test_layer_with_packed_lora_b(device, schedule):
 @pytest.mark.parametrize("rank, M, kw", [(8, 9, dict(no_adapter_fraction=0.3)), (5, 20, {}), (16, 1, {})])
 def test_fused_layer_matches_reference(device, rank, M, kw):
     """The LoRA computed inside the grouped GEMMs: no LoRA kernels, no delta buffers, no join."""
-    for dtype in dtypes(device):
-        p = problem(device, dtype, M=M, rank=rank, seed=rank + M, **kw)
-        ref = ml.moe_layer_reference(**p.layer_inputs())
-        close(moe_lora_layer(**p.layer_inputs(), schedule="fused"), ref, dtype)
+    check_layer_schedule(device, "fused", SHAPE, rank, M, rank + M, **kw)
 
 
 @pytest.mark.parametrize("rank, M, kw", [(8, 9, dict(no_adapter_fraction=0.3)), (5, 20, {}), (16, 1, {})])
 def test_epilogue_layer_matches_reference(device, rank, M, kw):
     """Each op shrinks once per pair (the two-kernel path's shrink) and expands in its GEMM's epilogue."""
-    for dtype in dtypes(device):
-        p = problem(device, dtype, M=M, rank=rank, seed=rank + M + 1, **kw)
-        ref = ml.moe_layer_reference(**p.layer_inputs())
-        close(moe_lora_layer(**p.layer_inputs(), schedule="epilogue"), ref, dtype)
+    check_layer_schedule(device, "epilogue", SHAPE, rank, M, rank + M + 1, **kw)
 
 
 def test_epilogue_layer_with_actual_adapter_ranks_and_its_plan(device):

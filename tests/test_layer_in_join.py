@@ -5,17 +5,13 @@ import torch
 import moelora_lab as ml
 from moelora_lab.layer import moe_lora_layer, plan_layer
 from moelora_lab.layer_in_join import act_lora, join_block, sum_lora
-from utils import assert_close, poisoned, shrink_spec
+from utils import assert_close, check_layer_schedule, poisoned, shrink_spec
 
 SHAPE = ml.MoEShape(48, 40, 6, 2, "layer-test")      # H = 48, I = 40: neither a multiple of the join's tiles
 
 
 def problem(device, dtype=torch.float32, M=9, seed=1, rank=8, **kw):
     return ml.make_problem(SHAPE, ml.LoRAShape(3, rank), M, dtype=dtype, device=device, seed=seed, **kw)
-
-
-def dtypes(device):
-    return [torch.float32, torch.float16] + ([torch.bfloat16] if device == "cuda" else [])
 
 
 def nan_past_ranks(inputs, ranks):
@@ -36,10 +32,7 @@ def nan_past_ranks(inputs, ranks):
                                          (48, 7, dict(expert_skew=2.0))])
 def test_in_join_layer_matches_reference(device, rank, M, kw):
     """Ranks 8, 5 (not a power of two), 16 and 48; tokens without an adapter; experts left empty by skew."""
-    for dtype in dtypes(device):
-        p = problem(device, dtype, M=M, rank=rank, seed=rank + M + 2, **kw)
-        ref = ml.moe_layer_reference(**p.layer_inputs())
-        assert_close(moe_lora_layer(**p.layer_inputs(), schedule="in_join"), ref, dtype)
+    check_layer_schedule(device, "in_join", SHAPE, rank, M, rank + M + 2, **kw)
 
 
 def test_in_join_reads_no_rank_past_a_slot_and_skips_disabled_slots(device):

@@ -174,3 +174,11 @@ def test_data_readme_quotes_the_counters_clock():
     assert found, "data/h200/README.md: the sentence quoting lora_dram.csv's SM clocks is gone"
     clocks = [row["sm_mhz"] for row in results.read_csv(results.DATA_DIR / "lora_dram.csv")]
     assert [int(v) for v in found.groups()] == [min(clocks), max(clocks)]
+
+
+def test_label_of_a_file_that_joins_two_runs():
+    row = dict(gpu="NVIDIA H200", torch="2.11", triton="3.6", date="2026-12-04", code="aaa")
+    assert results.label(row).endswith("2026-12-04, code aaa")
+    assert results.label([row, dict(row, code="bbb"), row]).endswith("2026-12-04, code aaa + bbb")
+    with pytest.raises(KeyError, match="provenance field"):
+        results.label([row, {"gpu": "x"}])

@@ -1,7 +1,7 @@
 """Helpers shared by the tests: tolerances, poisoned buffers, small problems."""
 import torch
 
-from moelora_lab import LoRAShape, MoEShape, make_problem
+from moelora_lab import LoRAShape, MoEShape, make_problem, moe_layer_reference, moe_lora_layer
 
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2}
 
@@ -54,3 +54,11 @@ def shrink_spec(p, x, lora_a, ranks):
             for s, a in enumerate(lora_a):
                 t[s, q, :ranks[l]] = a[l, e, :ranks[l]].float() @ rows[q]
     return t.to(x.dtype)
+
+
+def check_layer_schedule(device, schedule, shape, rank, M, seed, **kw):
+    """The layer run with ``schedule`` against the reference (3 adapters), in fp32 and fp16 (bf16 too on a GPU)."""
+    for dtype in [torch.float32, torch.float16] + ([torch.bfloat16] if device == "cuda" else []):
+        p = make_problem(shape, LoRAShape(3, rank), M, dtype=dtype, device=device, seed=seed, **kw)
+        assert_close(moe_lora_layer(**p.layer_inputs(), schedule=schedule), moe_layer_reference(**p.layer_inputs()),
+                     dtype)
