@@ -169,9 +169,6 @@ def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=No
             return in_k_layer(x, topk_ids, topk_weights, token_lora, in_k.w13_ext, in_k.w2_ext, w13_lora_a,
                               w2_lora_a, plan=plan, lora_ranks=lora_ranks, validate=False, tracer=tracer)
         if run == "in_join":
-            if plan.lora_blocks is None:
-                raise TypeError("plan: made without LoRA blocks (for schedule='fused' or without LoRA); pass "
-                                "plan_layer(..., schedule='in_join') with the layer's num_loras and rank")
             return in_join_layer(x, topk_ids, weights, token_lora.to(torch.int32).contiguous(), w13, w2,
                                  (w13_lora_a, w13_lora_b, w2_lora_a, w2_lora_b), plan, lora_ranks, tracer,
                                  dual=_streams_run(x.device), side_priority=side_priority)
