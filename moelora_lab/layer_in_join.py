@@ -23,8 +23,9 @@ from .streams import Streams
 # a [BLOCK, BLOCK_R] weight tile of at most this many elements per program (32 float32 per thread of 4 warps)
 TILE_ELEMENTS = 4096
 # The activation's tiles: on the H200 (bf16, qwen3-30b-a3b, M = 1, 4, 16, r 16 / 64; the probe
-# scripts/probes/join_tiles.py) column tiles of 64 with 2 warps were within 0.4 us of the fastest of
-# 16..128 x 1..4 warps at M <= 4 and up to 5 us faster than 128 columns with 4 warps at M = 16.
+# scripts/probes/join_tiles.py, data/history/join_tiles_313694704f.csv) column tiles of 64 with 2 warps were
+# within 0.3 us of the fastest of 16..128 x 1..4 warps at M <= 4 and up to 4.8 us faster than 128 columns
+# with 4 warps at M = 16.
 ACT_WIDEST, ACT_WARPS = 64, 2
 
 
@@ -91,9 +92,10 @@ def in_join_layer(x, topk_ids, weights, token_lora, w13, w2, lora, plan, lora_ra
     t1 = x.new_empty(2, P, R)                    # written where the activation reads: pairs with an adapter, ranks below
     blocks = plan.lora_blocks
     cfg = choose_config("two_kernel", P, min(P, L * E), I, 2, x.device, rank=R, side_stream=dual)
+    tiles = gemm_tiles(P, E)
     fork = streams.fork()
     with streams.stage("base_w13", "main"):
-        moe_gemm(x, w13, plan.base_blocks, c1, top_k=k, tiles=gemm_tiles(P, E))
+        moe_gemm(x, w13, plan.base_blocks, c1, top_k=k, tiles=tiles)
     with streams.side("shrink_w13", fork):
         launch_shrink(x, a13, t1, blocks, cfg.replace(block_m=blocks.block_size), top_k=k, token_rows=True,
                       lora_ranks=lora_ranks, one_read=True)
@@ -101,7 +103,7 @@ def in_join_layer(x, topk_ids, weights, token_lora, w13, w2, lora, plan, lora_ra
     with streams.stage("act+lora", "main"):
         t2 = act_lora(c1, t1, b13, a2, ids, token_lora, lora_ranks, h)
     with streams.stage("base_w2", "main"):
-        moe_gemm(h, w2, plan.base_blocks, c3, top_k=k, topk_weights=weights, tiles=gemm_tiles(P, E))
+        moe_gemm(h, w2, plan.base_blocks, c3, top_k=k, topk_weights=weights, tiles=tiles)
     with streams.stage("sum+lora", "main"):
         sum_lora(c3, t2, b2, ids, weights, token_lora, lora_ranks, y)
     return y

@@ -47,6 +47,14 @@ def slot_rank(lora_ranks_ptr, lora, R, HAS_RANKS: tl.constexpr):
 
 
 @triton.jit
+def adapter_lanes(lora_ranks_ptr, lora, offs_r, R, HAS_RANKS: tl.constexpr):
+    """For a pair's adapter id ``lora`` (-1 = none): a slot safe to index weights with (0 for none) and the
+    mask of the rank lanes ``offs_r`` it has (all off without an adapter)."""
+    slot = tl.maximum(lora, 0)
+    return slot, (offs_r < slot_rank(lora_ranks_ptr, slot, R, HAS_RANKS)) & (lora >= 0)
+
+
+@triton.jit
 def rank_tile(r0, r_lim, BLOCK_R: tl.constexpr, CLAMP: tl.constexpr = False):
     """Rank offsets r0 .. r0+BLOCK_R and their mask (< r_lim). The offsets stay one contiguous run
     (masked lanes are never read): where r is the fastest axis of a weight, as in B [L, E, N, r],

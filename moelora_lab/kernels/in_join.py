@@ -18,7 +18,7 @@ this suits small M; the pairs of one (adapter, expert) each read its B and A aga
 import triton
 import triton.language as tl
 
-from .common import slot_rank
+from .common import adapter_lanes
 
 
 @triton.jit
@@ -54,9 +54,7 @@ def act_lora_kernel(
     t_row = t1_ptr + pair.to(tl.int64) * stride_tp + offs_r
     tg = tl.load(t_row, mask=offs_r < R, other=0.0)                      # the pair's row of T1, both slices
     tu = tl.load(t_row + stride_ts, mask=offs_r < R, other=0.0)
-    has = lora >= 0
-    lora = tl.maximum(lora, 0)
-    r_ok = (offs_r < slot_rank(lora_ranks_ptr, lora, R, HAS_RANKS)) & has
+    lora, r_ok = adapter_lanes(lora_ranks_ptr, lora, offs_r, R, HAS_RANKS)
     w_off = lora.to(tl.int64) * stride_bl + expert.to(tl.int64) * stride_be
     b_off = w_off + cols[:, None] * stride_bn + offs_r[None, :] * stride_br                   # [BLOCK, BLOCK_R]
     b_ok = ok[:, None] & r_ok[None, :]
@@ -117,9 +115,7 @@ def sum_lora_kernel(
                         mask=j_ok[:, None, None] & (tt < NT)[None, :, None] & (offs_r < R)[None, None, :], other=0.0)
         t += tl.sum(parts, axis=1)                                                   # [BLOCK_J, BLOCK_R]
     acc = tl.sum(c3.to(tl.float32), axis=0)
-    has = lora >= 0
-    lora = tl.maximum(lora, 0)
-    r_ok = (offs_r < slot_rank(lora_ranks_ptr, lora, R, HAS_RANKS)) & has
+    lora, r_ok = adapter_lanes(lora_ranks_ptr, lora, offs_r, R, HAS_RANKS)
     t = tl.where(j_ok[:, None] & r_ok[None, :], t * w[:, None], 0.0)         # rows the act never wrote drop out
     b = tl.load(b2_ptr + lora.to(tl.int64) * stride_bl + experts[:, None, None] * stride_be
                 + cols[None, :, None] * stride_bn + offs_r[None, None, :] * stride_br,

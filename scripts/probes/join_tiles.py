@@ -54,13 +54,13 @@ def main(out: str, tokens: list[int], ranks: list[int], command: str) -> None:
             act_args = (c1, t1, lora["w13_lora_b"], lora["w2_lora_a"], flat, lora_ids, None)
             t2 = act_lora(*act_args, h)
             h_rule, t2_rule = h.clone(), t2.sum(1)
+            has = lora_ids.repeat_interleave(k) >= 0            # T2 rows the activation writes
             fns = {"act": lambda: silu_and_mul(c1, h, top_k=k),
                    "act_delta": lambda: silu_and_mul(c1, h, top_k=k, delta=d13, token_lora=lora_ids),
                    "act_lora": lambda: act_lora(*act_args, h)}
             for block, warps in TILES:
                 hb = torch.empty_like(h)
                 t2b = act_lora(*act_args, hb, block=block, num_warps=warps).sum(1)
-                has = lora_ids.repeat_interleave(k) >= 0
                 if not (close(hb, h_rule) and close(t2b[has], t2_rule[has])):
                     raise RuntimeError(f"r={rank} M={M}: the activation with {block} columns, {warps} warps differs")
                 fns[f"act_lora_b{block}_w{warps}"] = (lambda b=block, wp=warps:
