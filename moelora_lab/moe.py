@@ -232,9 +232,10 @@ def _w_descriptor(w: torch.Tensor, block_n: int, block_k: int):
 # ``rows_as_tile``): on the H200 (bf16, qwen3-30b-a3b, M = 1..16; data/history/join_tiles_313694704f.csv
 # against join_tiles_ace8dd7b5e.csv) the sum with the two-stream layer's delta went from 11.4-12.6 to
 # 6.3-6.9 us and the plain sum from 7.7-8.6 to 6.1-6.5. Against the loop, the layer without LoRA less its
-# base GEMMs (same run each) was level within 1.2 us at M = 64 and 128 (1024 pairs) and slower at
-# M = 512 (5.7-6.8 us; data/history/layer_6ad55b8597.csv against layer_ace8dd7b5e.csv and layer.csv); at
-# M = 2048 and 8192 the layer without LoRA lost 31-37 and 78-148 us to the tile: the loop runs there.
+# base GEMMs was level within 1.3 us at M = 64 and 128 (1024 pairs) and 5.7-6.6 us slower at M = 512
+# (data/history/layer_ace8dd7b5e.csv, the tile at every M, against layer_6ad55b8597.csv); at M = 512, 2048
+# and 8192 the layer without LoRA took 10-11, 31-37 and 78-148 us longer with the tile than in the next run
+# (layer_1adca2dbeb.csv, the loop from 1024 pairs): the loop runs there.
 SUM_TILE_ELEMENTS = 4096      # the top-k sum's [k, BLOCK] tile of rows per program
 SUM_TILE_MAX_PAIRS = 1024
 

@@ -77,3 +77,16 @@ def test_persistent_gemm_matches_the_grouped_gemm(device, flatten):
                                     topk_weights=wt, tiles=tiles, used=probe.used_blocks(blocks), flatten=flatten,
                                     programs=3)
         assert_close(got, want, torch.float32)
+
+
+def test_join_border_runs_each_form_and_restores_the_border():
+    from moelora_lab import moe
+
+    probe = load("join_border")
+    kept = moe.SUM_TILE_MAX_PAIRS
+    many = 1 << 20                                   # pairs on the loop's side of the rule's border
+    assert not moe.rows_as_tile(many)
+    assert {form: probe.in_form(form, lambda: moe.rows_as_tile(many))() for form in probe.FORMS} == \
+        {"tile": True, "loop": False}
+    assert probe.in_form("loop", lambda: moe.rows_as_tile(1))() is False
+    assert moe.SUM_TILE_MAX_PAIRS == kept
