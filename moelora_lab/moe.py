@@ -236,6 +236,9 @@ def _w_descriptor(w: torch.Tensor, block_n: int, block_k: int):
 # (data/history/layer_ace8dd7b5e.csv, the tile at every M, against layer_6ad55b8597.csv); at M = 512, 2048
 # and 8192 the layer without LoRA took 10-11, 31-37 and 78-148 us longer with the tile than in the next run
 # (layer_1adca2dbeb.csv, the loop from 1024 pairs): the loop runs there.
+# The joins alone (data/history/join_border_730992bb30.csv): the plain sum's tile wins up to 1024 pairs and
+# loses from 1536; with the delta it wins up to 2048 (by at most 2.3 us past 1024) and loses from 3072; the
+# activation's early delta load wins by 0.2-0.4 us at every count. One border for both joins, the plain sum's.
 SUM_TILE_ELEMENTS = 4096      # the top-k sum's [k, BLOCK] tile of rows per program
 SUM_TILE_MAX_PAIRS = 1024
 
