@@ -13,8 +13,10 @@ An explicit ``TRITON_INTERPRET`` set by the user is respected when MOELORA_INTER
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
+import threading
 import warnings
 
 import torch
@@ -57,6 +59,32 @@ def _check_numpy() -> None:
 
 
 _check_numpy()
+
+# The Triton interpreter keeps its state in the process: the launch grid and the triton.language functions it
+# swaps in while a kernel runs. Two threads launching interpreted kernels at once would run each other's grids
+# (a crash, or a wrong result without one), so interpreted launches take this lock, one at a time; on a GPU
+# nothing is serialised.
+INTERPRETER_LOCK = threading.RLock()
+
+
+def _serialise_interpreted_launches() -> None:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    run = InterpretedFunction.run
+    if getattr(run, "serialised", False):
+        return
+
+    @functools.wraps(run)
+    def locked(self, *args, **kwargs):
+        with INTERPRETER_LOCK:
+            return run(self, *args, **kwargs)
+
+    locked.serialised = True
+    InterpretedFunction.run = locked
+
+
+if INTERPRET:
+    _serialise_interpreted_launches()
 
 
 def on_device(t: torch.Tensor):

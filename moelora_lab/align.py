@@ -88,8 +88,8 @@ def _block_tensors_device(topk_ids, token_lora, num_experts: int, lists) -> list
     pairs = torch.empty(pairs_at, dtype=torch.int32, device=dev)
     block_lora = torch.empty(blocks_at, dtype=torch.int32, device=dev)
     block_expert = torch.empty(blocks_at, dtype=torch.int32, device=dev)
-    ids = topk_ids.reshape(-1)
-    lora = token_lora if token_lora is not None else ids        # never read for lists by expert
+    ids = topk_ids.reshape(-1).contiguous()                     # the kernels read pair p's id at ids + p
+    lora = token_lora.contiguous() if token_lora is not None else ids      # never read for lists by expert
     out = (pairs, block_lora, block_expert)
     with on_device(topk_ids):
         if n <= SORT_MAX_PAIRS:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .validate import FLOAT_DTYPES, check_choice, check_int
+from .validate import FLOAT_DTYPES, check_bool, check_choice, check_int
 from .ops import pack_lora_b
 from .routing import route
 
@@ -264,6 +264,10 @@ def make_problem(
         raise TypeError(f"lora: expected a LoRAShape(num_loras, rank), got {type(lora).__name__}")
     if dtype not in FLOAT_DTYPES:
         raise TypeError(f"dtype: {dtype} is not supported; use torch.float32, torch.float16 or torch.bfloat16")
+    check_int("num_tokens", num_tokens, low=1)
+    check_int("seed", seed)
+    check_bool("with_base", with_base)
+    check_bool("renormalize", renormalize)
     L, r, E, H, I = lora.num_loras, lora.rank, shape.num_experts, shape.hidden, shape.intermediate
     ranks = tuple(adapter_ranks) if adapter_ranks is not None else (r,) * L
     if len(ranks) != L or any(not isinstance(v, int) or not 0 <= v <= r for v in ranks):

@@ -27,8 +27,8 @@ def _shrink_parts(src, lora_a, plan, token_lora, top_k: int, tail, n_out: int, r
     block_r, rank_tiles = cfg.rank_tiling(r)
     both = one_read and S == 2
     grid = (blocks.num_blocks + triton.cdiv(P, FILL_ROWS), (1 if both else S) * rank_tiles)
-    args = (src, lora_a[0], lora_a[-1], tail, *blocks.tensors, token_lora,
-            blocks.block_lora if lora_ranks is None else lora_ranks,
+    args = (src, lora_a[0], lora_a[-1], tail, *blocks.tensors, token_lora.contiguous(),   # [M], read at ptr + t
+            blocks.block_lora if lora_ranks is None else lora_ranks.contiguous(),
             P, blocks.num_blocks, top_k, K, r, LR, rank_tiles, src.stride(0), *lora_a[0].stride(), tail.stride(1),
             tail.stride(0))
     meta = dict(BLOCK_M=blocks.block_size, BLOCK_K=cfg.block_k, BLOCK_R=block_r, BLOCK_LR=triton.next_power_of_2(LR),

@@ -50,11 +50,11 @@ from .layer_in_gemm import buffers, epilogue_layer, fused_layer
 from .layer_in_join import in_join_layer
 from .layer_in_k import check_in_k, in_k_layer
 from .layer_plan import (IN_GEMM, IN_K_MAX_COLUMNS, IN_K_MIN_PAIRS_PER_EXPERT, SCHEDULES, fused_fits,  # noqa: F401
-                         _streams_run, gpu_schedule, plan_layer, resolve_schedule)
+                         _streams_run, gpu_schedule, ignored_argument, plan_layer, resolve_schedule)
 from .ops import run_lora
 from .paths import KERNEL_CHOICES, get_path
 from .streams import SIDE_PRIORITIES, Streams
-from .validate import (ANY_SLOT, check_choice, check_layer_inputs, check_lora_ranks, check_plan, check_values,
+from .validate import (ANY_SLOT, check_bool, check_choice, check_layer_inputs, check_lora_ranks, check_plan, check_values,
                        routing_ranges)
 
 JOINS = ("fold", "vllm")
@@ -114,11 +114,15 @@ def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=No
     """
     M, k, E, H, I, L, r = check_layer_inputs(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a, w13_lora_b,
                                              w2_lora_a, w2_lora_b)
+    check_bool("validate", validate)
     check_choice("side_priority", side_priority, SIDE_PRIORITIES)
     check_choice("join", join, JOINS)
     check_choice("schedule", schedule, SCHEDULES)
     get_path(lora_path, "lora_path", KERNEL_CHOICES)
     with_lora = L is not None
+    if lora_ranks is not None and not with_lora:
+        raise ValueError("lora_ranks: given, but the call has no LoRA weights (w13_lora_a ... w2_lora_b); drop "
+                         "lora_ranks or pass the four LoRA lists")
     if in_k is not None:
         check_in_k(in_k, w13, w2, w13_lora_b, w2_lora_b)
     ranges = check_lora_ranks(lora_ranks, L, r) if with_lora else []
@@ -134,16 +138,12 @@ def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=No
         return x.new_empty(0, H)
     active = with_lora and r > 0                      # rank 0: the LoRA adds nothing
     P = M * k
-    columns = L * r if in_k is not None else None
     run = (resolve_schedule(schedule, x.device, num_pairs=P, num_experts=E, fits=fused_fits(L, r),
-                            in_k_columns=columns) if active else "sequential")
-    if (run in IN_GEMM or run in ("in_k", "in_join")) and join != "fold":
-        where = "the join kernels themselves" if run == "in_join" else "the GEMMs"
-        raise ValueError(f"join: {join!r} has no meaning with schedule={run!r} (the LoRA is added inside {where}, "
-                         "there is no delta to join); leave join at 'fold' or pick another schedule")
-    if run == "in_join" and lora_path not in ("auto", "two_kernel"):
-        raise ValueError(f"lora_path: {lora_path!r} has no meaning with schedule='in_join' (it runs the two-kernel "
-                         "path's shrink and expands in the join kernels); leave lora_path at 'auto'")
+                            in_k_columns=L * r if in_k is not None else None, join=join, lora_path=lora_path)
+           if active else "sequential")
+    why = ignored_argument(run, join, lora_path)
+    if why:
+        raise ValueError(why)
     if plan is not None and active:
         made_for = next((sched for sched, marker in IN_GEMM.items() if plan.lora_path == marker), None)
         if made_for != (run if run in IN_GEMM else None):

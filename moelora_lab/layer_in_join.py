@@ -35,6 +35,12 @@ def join_block(cols: int, tile_rows: int, widest: int = 128) -> int:
     return max(16, min(widest, triton.next_power_of_2(cols), TILE_ELEMENTS // tile_rows))
 
 
+def _unit_stride(*vectors):
+    """The join kernels read the i-th element of each [P] or [M] vector at ptr + i: contiguous copies of any
+    strided view (the tensors themselves when they already are, and None stays None)."""
+    return [v if v is None else v.contiguous() for v in vectors]
+
+
 def act_lora(c1, t1, w13_lora_b, w2_lora_a, topk_ids, token_lora, lora_ranks, h, *, block: int | None = None,
              num_warps: int = ACT_WARPS):
     """h [P, I] = silu(gate + Bg T1g) * (up + Bu T1u) and T2 [P, NT, R] float32, each column tile's A2 h
@@ -53,6 +59,7 @@ def act_lora(c1, t1, w13_lora_b, w2_lora_a, topk_ids, token_lora, lora_ranks, h,
         bg, bu = bg.contiguous(), bu.contiguous()
     a2 = w2_lora_a[0]
     has_ranks = lora_ranks is not None
+    topk_ids, token_lora, lora_ranks = _unit_stride(topk_ids, token_lora, lora_ranks)
     act_lora_kernel[(P, nt)](
         c1, t1, bg, bu, a2, topk_ids, token_lora, lora_ranks if has_ranks else token_lora, h, t2,
         P // token_lora.shape[0], I, R, c1.stride(0), t1.stride(0), t1.stride(1), *bg.stride(), *a2.stride(),
@@ -71,6 +78,7 @@ def sum_lora(c3, t2, w2_lora_b, topk_ids, weights, token_lora, lora_ranks, y):
     block_t = max(1, min(triton.next_power_of_2(nt), TILE_ELEMENTS // (block_r * block_j)))
     b2 = w2_lora_b[0]
     has_ranks = lora_ranks is not None
+    topk_ids, weights, token_lora, lora_ranks = _unit_stride(topk_ids, weights, token_lora, lora_ranks)
     sum_lora_kernel[(M, triton.cdiv(H, block))](
         c3, t2, b2, topk_ids, weights, token_lora, lora_ranks if has_ranks else token_lora, y,
         H, R, nt, c3.stride(0), t2.stride(0), t2.stride(1), *b2.stride(), y.stride(0),

@@ -219,7 +219,7 @@ def w2_in_k_layer(x, topk_ids, topk_weights, token_lora, w13, w2_ext, w13_lora_a
         streams.join()
         _act_and_shrink(c1, d13.view(P, 2 * I), h_ext, w2_lora_a[0], plan, token_lora32, streams, k, H, I, r,
                         lora_ranks)
-        return _w2_and_sum(h_ext, w2_ext, plan, token_lora32, topk_weights, streams, M, k, H)
+        return _w2_and_sum(h_ext, w2_ext, plan, token_lora32, topk_weights, streams, M, k, H, I)
 
 
 def in_k_layer(x, topk_ids, topk_weights, token_lora, w13_ext, w2_ext, w13_lora_a, w2_lora_a, *,
@@ -258,7 +258,7 @@ def in_k_layer(x, topk_ids, topk_weights, token_lora, w13_ext, w2_ext, w13_lora_
         with streams.stage("w13+lora", "main"):
             moe_gemm(x, w13_ext, plan.base_blocks, c1, top_k=k, tiles=gemm_tiles(P, E), x_tail=t13)
         _act_and_shrink(c1, None, h_ext, w2_lora_a[0], plan, token_lora32, streams, k, H, I, r, lora_ranks)
-        return _w2_and_sum(h_ext, w2_ext, plan, token_lora32, topk_weights, streams, M, k, H)
+        return _w2_and_sum(h_ext, w2_ext, plan, token_lora32, topk_weights, streams, M, k, H, I)
 
 
 def _overlapped(x, plan, token_lora32, topk_weights, a13, a2, w13_ext, w2_ext, t13, c1, h_ext, streams, lora_ranks,
@@ -289,14 +289,15 @@ def _act_and_shrink(c1, delta, h_ext, a2, plan, token_lora32, streams, k: int, H
         _shrink_tail(h_ext, [a2], plan, token_lora32, k, h_ext[:, I:].unsqueeze(0), H, r, lora_ranks)
 
 
-def _w2_and_sum(h_ext, w2_ext, plan, token_lora32, topk_weights, streams, M: int, k: int, H: int):
-    """The layer from h_ext = [h | T2] on: the w2 GEMM over h_ext and w2_ext, the top-k sum."""
+def _w2_and_sum(h_ext, w2_ext, plan, token_lora32, topk_weights, streams, M: int, k: int, H: int, I: int):
+    """The layer from h_ext = [h | T2] on: the w2 GEMM over h_ext and w2_ext (T2's columns, from I on, zero
+    outside each pair's slot and rank), the top-k sum."""
     P = M * k
     c3, y = h_ext.new_empty(P, H), h_ext.new_empty(M, H)
     weights = topk_weights.reshape(-1).float().contiguous()
     with streams.stage("w2+lora", "main"):
         moe_gemm(h_ext, w2_ext, plan.base_blocks, c3, top_k=k, topk_weights=weights,
-                 tiles=gemm_tiles(P, w2_ext.shape[0]))
+                 tiles=gemm_tiles(P, w2_ext.shape[0]), lora_from=I)
     with streams.stage("sum", "main"):
         topk_sum(c3, y, top_k=k)
     return y

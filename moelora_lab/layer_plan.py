@@ -17,10 +17,33 @@ from .blocks import LayerPlan, RoutingStamp
 from .dispatch import choice_rank, choose_config
 from .moe import MAX_FUSED_COLUMNS, fused_columns, gemm_tiles
 from .paths import KERNEL_CHOICES, get_path, resolve_path
-from .validate import ANY_SLOT, check_choice, check_int, check_lora_ranks, check_routing
+from .validate import ANY_SLOT, check_bool, check_choice, check_int, check_lora_ranks, check_routing
 
 SCHEDULES = ("sequential", "dual_stream", "fused", "epilogue", "in_k", "in_join", "auto")
 IN_GEMM = {"fused": "in_gemm", "epilogue": "epilogue"}      # schedules with the expand in the GEMMs: plan's lora_path
+
+
+# What each schedule does with the call's ``join`` and ``lora_path``: the joins it runs, and the LoRA paths it
+# launches (None: any of the op's paths; an empty tuple: none, its LoRA runs elsewhere, named by LORA_INSIDE). A
+# call whose arguments its schedule would ignore is refused, and ``auto`` picks only among schedules that honour them.
+SCHEDULE_JOINS = {"sequential": ("fold", "vllm"), "dual_stream": ("fold", "vllm")}        # others: "fold" only
+SCHEDULE_PATHS = {"sequential": None, "dual_stream": None, "fused": (), "epilogue": ("two_kernel",), "in_k": (),
+                  "in_join": ("two_kernel",)}
+LORA_INSIDE = {"fused": "the grouped GEMMs", "epilogue": "the grouped GEMMs (after one shrink per pair)",
+               "in_k": "the grouped GEMMs' K", "in_join": "the activation and the top-k sum"}
+
+
+def ignored_argument(schedule: str, join: str, lora_path: str) -> str | None:
+    """Why ``schedule`` cannot honour ``join`` and ``lora_path`` (a message naming the argument), or None."""
+    if join not in SCHEDULE_JOINS.get(schedule, ("fold",)):
+        return (f"join: {join!r} has no meaning with schedule={schedule!r} (the LoRA is added inside "
+                f"{LORA_INSIDE[schedule]}, there is no delta to join); leave join at 'fold' or pick another schedule")
+    paths = SCHEDULE_PATHS[schedule]
+    if lora_path != "auto" and paths is not None and lora_path not in paths:
+        runs = f"runs only {', '.join(repr(p) for p in paths)}" if paths else "launches no LoRA path"
+        return (f"lora_path: {lora_path!r} has no meaning with schedule={schedule!r} (it {runs}: its LoRA is "
+                f"inside {LORA_INSIDE[schedule]}); leave lora_path at 'auto' or pick another schedule")
+    return None
 
 
 def fused_fits(num_loras: int, rank: int) -> bool:
@@ -43,9 +66,11 @@ def _streams_run(device: torch.device) -> bool:
 
 
 def resolve_schedule(schedule: str, device: torch.device, *, num_pairs: int = 0, num_experts: int = 1,
-                     fits: bool = False, in_k_columns: int | None = None) -> str:
+                     fits: bool = False, in_k_columns: int | None = None, join: str = "fold",
+                     lora_path: str = "auto") -> str:
     """The schedule a call really runs (``fits``: :func:`fused_fits` for the layer's LoRA;
-    ``in_k_columns``: L*r when the call brings an ``in_k`` pack, else None)."""
+    ``in_k_columns``: L*r when the call brings an ``in_k`` pack, else None; ``join`` and ``lora_path``: the
+    call's, which ``auto`` honours)."""
     check_choice("schedule", schedule, SCHEDULES)
     if _fused(schedule, fits):
         return schedule
@@ -54,7 +79,8 @@ def resolve_schedule(schedule: str, device: torch.device, *, num_pairs: int = 0,
                          "w2_lora_b) and its views w13=in_k.w13, w2=in_k.w2")
     gpu = _streams_run(device)
     if schedule == "auto":
-        return gpu_schedule(num_pairs, num_experts, in_k_columns=in_k_columns) if gpu else "sequential"
+        return (gpu_schedule(num_pairs, num_experts, in_k_columns=in_k_columns, join=join, lora_path=lora_path)
+                if gpu else "sequential")
     if schedule == "dual_stream" and not gpu:
         warnings.warn("schedule='dual_stream' needs CUDA streams; on the CPU the layer runs sequentially "
                       "(same kernels, same results)", RuntimeWarning, stacklevel=3)
@@ -74,10 +100,12 @@ IN_K_MAX_COLUMNS = 256          # L*r
 IN_K_MIN_PAIRS_PER_EXPERT = 128
 
 
-def gpu_schedule(num_pairs: int, num_experts: int, *, in_k_columns: int | None = None) -> str:
+def gpu_schedule(num_pairs: int, num_experts: int, *, in_k_columns: int | None = None, join: str = "fold",
+                 lora_path: str = "auto") -> str:
     """What ``schedule="auto"`` runs on a GPU (without LoRA inside the GEMMs), for a layer of
     ``num_pairs`` pairs over ``num_experts`` experts, ``in_k_columns`` = L*r when the call brings an
-    ``in_k`` pack (usable on the CPU, to read the data). ``in_k`` where the rule above says it pays;
+    ``in_k`` pack (usable on the CPU, to read the data). ``in_k`` where the rule above says it pays and it
+    honours the call's ``join`` and ``lora_path`` (it runs neither: ``ignored_argument``);
     else two streams at every size: on the H200, with every schedule of a case timed in interleaved
     rounds, they beat one stream most at M = 1 (the LoRA's short launches hide under the base GEMMs)
     and least at the largest M (both streams' kernels are long and share the memory bus), where the
@@ -86,7 +114,7 @@ def gpu_schedule(num_pairs: int, num_experts: int, *, in_k_columns: int | None =
         raise ValueError(f"num_pairs / num_experts: need num_pairs >= 0 and num_experts >= 1, got {num_pairs}, "
                          f"{num_experts}")
     if (in_k_columns is not None and in_k_columns <= IN_K_MAX_COLUMNS
-            and num_pairs >= IN_K_MIN_PAIRS_PER_EXPERT * num_experts):
+            and num_pairs >= IN_K_MIN_PAIRS_PER_EXPERT * num_experts and ignored_argument("in_k", join, lora_path) is None):
         return "in_k"
     return "dual_stream"
 
@@ -108,6 +136,7 @@ def plan_layer(topk_ids, token_lora, num_experts: int, num_loras: int | None, ra
     ranks, on the CPU) lets ``lora_path="auto"`` pick by the largest real rank instead of r.
     """
     E = check_int("num_experts", num_experts, low=1)
+    check_bool("validate", validate)
     if num_loras is not None:
         check_int("num_loras", num_loras, low=1)
         if rank is None:

@@ -18,7 +18,7 @@ from .align import make_blocks
 from .blocks import BlockList
 from .dispatch import KernelConfig, choice_rank, choose_config
 from .paths import PATHS, LoRACall, resolve_path
-from .validate import (check_blocks, check_enabled, check_lora_ranks, check_op_inputs, check_output,
+from .validate import (check_blocks, check_bool, check_enabled, check_lora_ranks, check_op_inputs, check_output,
                        check_tensor, check_values, routing_ranges)
 
 
@@ -96,6 +96,8 @@ def moe_lora(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, *, path: str
     torch.Tensor
         ``output``.
     """
+    check_bool("add_inputs", add_inputs)
+    check_bool("validate", validate)
     M, k, L, E, R, K, N, S = check_op_inputs(x, topk_ids, topk_weights, token_lora, lora_a, lora_b,
                                              mul_routed_weight=mul_routed_weight, values=False)
     if lora_a[0].dtype != x.dtype:

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 
 from .blocks import BlockList, RoutingStamp
-from .validate import check_int, check_routing, check_tensor
+from .validate import check_bool, check_int, check_routing, check_tensor
 
 SPARSITY_FACTOR = 8  # naive assignment when pairs * 8 <= E * L (vLLM's rule)
 
@@ -38,6 +38,8 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True, *, 
     check_tensor("router_logits", router_logits, ndim=2, legend="[M, E]",
                  dtypes=(torch.float32, torch.float16, torch.bfloat16))
     check_int("top_k", top_k, low=1, high=router_logits.shape[1])
+    check_bool("renormalize", renormalize)
+    check_bool("cast_weights", cast_weights)
     probs = torch.softmax(router_logits.float(), dim=-1)  # [M, E]
     weights, ids = torch.topk(probs, top_k, dim=-1)       # [M, k], largest first
     if renormalize:
@@ -169,6 +171,7 @@ def block_list(topk_ids: torch.Tensor, token_lora: torch.Tensor, num_experts: in
     The result remembers the routing it was built for (see :class:`BlockList`); ``validate=False``
     skips the id-range checks (one device synchronisation) for ids checked already.
     """
+    check_bool("validate", validate)
     tensors = block_tensors(topk_ids, token_lora, num_experts, num_loras, block_size, validate=validate)
     return BlockList(*tensors, RoutingStamp.of(topk_ids, token_lora, num_experts, num_loras, block_size,
                                                values_checked=validate))

@@ -5,6 +5,7 @@ import torch
 from moelora_lab import align
 from moelora_lab.align import block_list_device
 from moelora_lab.routing import block_list
+from utils import STRIDED_KINDS, strided
 
 
 def random_routing(seed, device):
@@ -104,6 +105,17 @@ def test_int64_routing_and_a_hot_group(device, launches):
     for bs in (1, 16, 128):
         for a, b in zip(block_list_device(ids, lora, 8, 3, bs).tensors, block_list(ids, lora, 8, 3, bs).tensors):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("how", STRIDED_KINDS)
+def test_strided_routing_equals_the_spec(device, launches, how):
+    # views of the routing (a column of a wider tensor, every other element, transposed storage): the kernels
+    # read pair p's ids at ptr + p, so the launcher hands them contiguous copies
+    ids, lora, E, L = random_routing(7, device)
+    ids_view, lora_view = strided(ids.long(), how), strided(lora, how)
+    assert not ids_view.is_contiguous() and not lora_view.is_contiguous()
+    for a, b in zip(block_list_device(ids_view, lora_view, E, L, 16).tensors, block_list(ids, lora, E, L, 16).tensors):
+        assert torch.equal(a, b)
 
 
 def test_more_than_two_lists_is_refused(device):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import moelora_lab as ml
-from moelora_lab.layer import plan_layer
+from moelora_lab.layer import IN_K_MIN_PAIRS_PER_EXPERT, plan_layer
 from moelora_lab.layer_in_k import (_act_and_shrink, _shrink_tail, in_k_layer, pack_in_k, pack_w13_in_k, pack_w2_in_k,
                                     w2_in_k_layer)
 from moelora_lab.streams import Streams
@@ -100,6 +100,25 @@ def test_actual_adapter_ranks_and_a_plan(device, layer):
     fused = plan_layer(p.topk_ids, p.token_lora, SHAPE.num_experts, 3, 16, schedule="epilogue")
     with pytest.raises(ValueError, match="plan: made for an in-GEMM schedule"):
         layer(p, plan=fused)
+
+
+@pytest.mark.parametrize("layer", [run, run_both, lambda p, **kw: run_both(p, overlap=True, **kw)],
+                         ids=["w2_in_k", "in_k", "in_k_overlap"])
+def test_weights_nothing_reads_stay_out_of_every_row(device, layer):
+    """The packed K multiplies each row's zero LoRA columns (another slot's, past its slot's rank) by W's columns
+    there: NaN in a slot no token uses, or past a slot's rank (weights of slots allocated but not loaded yet),
+    must not reach any row, those of tokens without an adapter included."""
+    p = problem(device, rank=16, seed=17, adapter_ranks=(3, 16, 0), no_adapter_fraction=0.3)
+    ranks = torch.tensor(p.adapter_ranks, device=device)
+    p.token_lora[p.token_lora == 1] = 0                       # slot 1 has no token
+    want = ml.moe_layer_reference(**p.layer_inputs())
+    for key in ("w13_lora_a", "w13_lora_b", "w2_lora_a", "w2_lora_b"):
+        for w in getattr(p, key):
+            w[1] = float("nan")
+            for slot, r in enumerate(p.adapter_ranks):
+                (w[slot, :, r:] if key.endswith("_a") else w[slot, :, :, r:]).fill_(float("nan"))
+    got = layer(p, lora_ranks=ranks)
+    assert_close(got, want, torch.float32)
 
 
 def test_no_tokens(device):
@@ -286,12 +305,30 @@ def test_in_k_schedule_follows_the_pack_and_the_rule(device):
     assert gpu_schedule(many - 1, E, in_k_columns=IN_K_MAX_COLUMNS) == "dual_stream"        # too few pairs
     assert gpu_schedule(many, E, in_k_columns=IN_K_MAX_COLUMNS + 1) == "dual_stream"        # K widened too much
     assert gpu_schedule(many, E) == "dual_stream"                                           # no pack
+    # auto picks only schedules that honour the call: in_k runs no delta join and no LoRA path of the op
+    assert gpu_schedule(many, E, in_k_columns=16, join="vllm") == "dual_stream"
+    assert gpu_schedule(many, E, in_k_columns=16, lora_path="one_shot") == "dual_stream"
     dev = torch.device(device)
     assert resolve_schedule("auto", dev, num_pairs=many, num_experts=E, in_k_columns=16) == (
         "in_k" if device == "cuda" else "sequential")
     assert resolve_schedule("in_k", dev, in_k_columns=16) == "in_k"
     with pytest.raises(ValueError, match="schedule='in_k' needs the layer packed for it: pass in_k=pack_in_k"):
         resolve_schedule("in_k", dev)
+
+
+def test_auto_with_a_pack_honours_the_join_and_the_lora_path(device):
+    # on a GPU this M has enough pairs per expert for in_k; with the vLLM join or an explicit LoRA path auto must
+    # run a schedule that does what was asked (two streams), not pick in_k and then refuse the call
+    E = SHAPE.num_experts
+    M = IN_K_MIN_PAIRS_PER_EXPERT * E // SHAPE.top_k if device == "cuda" else 6
+    p = problem(device, torch.float16, M=M, seed=4)
+    inputs, pack = packed_inputs(p)
+    want = ml.moe_layer_reference(**p.layer_inputs())
+    for extra in (dict(join="vllm"), dict(lora_path="two_kernel")):
+        assert_close(ml.moe_lora_layer(**inputs, schedule="auto", in_k=pack, **extra), want, torch.float16)
+    for extra, name in ((dict(join="vllm"), "join"), (dict(lora_path="one_shot"), "lora_path")):
+        with pytest.raises(ValueError, match=f"^{name}: .* has no meaning with schedule='in_k'"):
+            ml.moe_lora_layer(**inputs, schedule="in_k", in_k=pack, **extra)
 
 
 def test_a_stale_or_foreign_pack_is_refused(device):

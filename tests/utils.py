@@ -62,3 +62,67 @@ def check_layer_schedule(device, schedule, shape, rank, M, seed, **kw):
         p = make_problem(shape, LoRAShape(3, rank), M, dtype=dtype, device=device, seed=seed, **kw)
         assert_close(moe_lora_layer(**p.layer_inputs(), schedule=schedule), moe_layer_reference(**p.layer_inputs()),
                      dtype)
+
+
+# ---- odd-but-valid inputs and poisoned memory ----------------------------------------------------
+
+def poison_value(t: torch.Tensor):
+    """What fills memory nothing may read: NaN for floats, an id no routing has for ints, False for flags."""
+    if t.dtype.is_floating_point:
+        return float("nan")
+    return False if t.dtype == torch.bool else -7
+
+
+def strided(t: torch.Tensor, how: str) -> torch.Tensor:
+    """The same values as ``t`` in another memory layout, the gaps poisoned: "gapped" (every other element of a
+    twice-as-wide last dim), "transposed" (the last two dims stored the other way round; 1-D: gapped) or
+    "padded" (rows three elements longer than their width; 1-D: gapped)."""
+    if how == "gapped" or t.dim() < 2:
+        buf = torch.full((*t.shape[:-1], 2 * t.shape[-1]), poison_value(t), dtype=t.dtype, device=t.device)
+        buf[..., ::2] = t
+        return buf[..., ::2]
+    if how == "transposed":
+        return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+    if how == "padded":
+        buf = torch.full((*t.shape[:-1], t.shape[-1] + 3), poison_value(t), dtype=t.dtype, device=t.device)
+        buf[..., :t.shape[-1]] = t
+        return buf[..., :t.shape[-1]]
+    raise ValueError(f"how: {how!r}")
+
+
+STRIDED_KINDS = ("gapped", "transposed", "padded")
+
+
+def strided_inputs(inputs: dict, how: str) -> dict:
+    """Every tensor (and every tensor of a list) of ``inputs`` as a strided view with the same values."""
+    out = {}
+    for name, value in inputs.items():
+        if isinstance(value, torch.Tensor):
+            out[name] = strided(value, how)
+        elif isinstance(value, (list, tuple)):
+            out[name] = [strided(v, how) for v in value]
+        else:
+            out[name] = value
+    return out
+
+
+class poisoned_allocations:
+    """Inside the block, every tensor made by torch.empty, torch.empty_like or Tensor.new_empty starts
+    filled with NaN (floats) or a sentinel (ints): a kernel that reads a buffer before writing it, or
+    reads memory it never wrote, shows it."""
+
+    def __enter__(self):
+        self.saved = torch.empty, torch.empty_like, torch.Tensor.new_empty
+        empty, empty_like, new_empty = self.saved
+
+        def fill(t):
+            return t.fill_(poison_value(t)) if t.numel() else t
+
+        torch.empty = lambda *a, **k: fill(empty(*a, **k))
+        torch.empty_like = lambda *a, **k: fill(empty_like(*a, **k))
+        torch.Tensor.new_empty = lambda self, *a, **k: fill(new_empty(self, *a, **k))
+        return self
+
+    def __exit__(self, *exc):
+        torch.empty, torch.empty_like, torch.Tensor.new_empty = self.saved
+        return False

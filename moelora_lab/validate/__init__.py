@@ -18,8 +18,8 @@ from typing import NamedTuple, Sequence
 import torch
 
 from ..blocks import BlockList, LayerPlan
-from .basic import (FLOAT_DTYPES, INDEX_DTYPES, check_choice, check_int, check_no_overlap, check_range,  # noqa: F401
-                    check_rows, check_same_device, check_tensor, check_values)
+from .basic import (FLOAT_DTYPES, INDEX_DTYPES, check_bool, check_choice, check_int, check_no_overlap,  # noqa: F401
+                    check_no_self_overlap, check_range, check_rows, check_same_device, check_tensor, check_values)
 
 
 # without LoRA weights any adapter id of token_lora is accepted: checks use this many slots
@@ -44,10 +44,10 @@ def check_routing(topk_ids, token_lora, num_experts: int, num_loras: int, topk_w
     check_tensor("topk_ids", topk_ids, ndim=2, dtypes=INDEX_DTYPES, legend="[M, k]")
     M, k = topk_ids.shape
     check_tensor("token_lora", token_lora, dtypes=INDEX_DTYPES, shape=(M,), legend="[M] (one adapter slot per token)")
-    check_same_device(topk_ids=topk_ids, token_lora=token_lora, topk_weights=topk_weights)
     if topk_weights is not None:
-        check_tensor("topk_weights", topk_weights, dtypes=(torch.float32, torch.float16, torch.bfloat16),
-                     shape=(M, k), legend="[M, k] (same shape as topk_ids)")
+        check_tensor("topk_weights", topk_weights, dtypes=FLOAT_DTYPES, shape=(M, k),
+                     legend="[M, k] (same shape as topk_ids)")
+    check_same_device(topk_ids=topk_ids, token_lora=token_lora, topk_weights=topk_weights)
     if values:
         check_values(routing_ranges(topk_ids, token_lora, num_experts, num_loras))
     return M, k
@@ -114,6 +114,15 @@ def check_lora_weights(lora_a, lora_b, num_experts: int | None = None, in_featur
     L, E, r, K = first.shape
     N = check_tensor(f"{nb}[0]", lora_b[0], ndim=4, dtypes=FLOAT_DTYPES, legend="[L, E, N, r]").shape[2]
     for s, (a, b) in enumerate(zip(lora_a, lora_b)):
+        check_tensor(f"{na}[{s}]", a, ndim=4, legend="[L, E, r, K]")
+        check_tensor(f"{nb}[{s}]", b, ndim=4, legend="[L, E, N, r]")
+        # A and B of a slice must agree on L, E and r: when they do not, the message gives both, since either
+        # may be the one that is wrong
+        for what, dim_a, dim_b in (("adapter slots L", 0, 0), ("experts E", 1, 1), ("rank r", 2, 3)):
+            if a.shape[dim_a] != b.shape[dim_b]:
+                raise ValueError(f"{na}[{s}], {nb}[{s}]: A [L, E, r, K] {tuple(a.shape)} and B [L, E, N, r] "
+                                 f"{tuple(b.shape)} disagree on the {what} ({a.shape[dim_a]} against "
+                                 f"{b.shape[dim_b]}); A and B of one slice come from the same adapters")
         check_tensor(f"{na}[{s}]", a, shape=(L, E, r, K), legend="[L, E, r, K]")
         check_tensor(f"{nb}[{s}]", b, shape=(L, E, N, r), legend="[L, E, N, r]")
         for name, w in ((f"{na}[{s}]", a), (f"{nb}[{s}]", b)):
@@ -150,6 +159,7 @@ class OpDims(NamedTuple):
 def check_op_inputs(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, *, mul_routed_weight: bool = False,
                     values: bool = True) -> OpDims:
     """Validate the LoRA op's tensors (``values=False``: no id-range checks, no synchronisation)."""
+    check_bool("mul_routed_weight", mul_routed_weight)
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES, legend="[M, K] token rows or [M*k, K] pair rows")
     L, E, r, K, N, S = check_lora_weights(lora_a, lora_b, in_features=x.shape[1])
     if mul_routed_weight and topk_weights is None:
@@ -180,6 +190,7 @@ def check_output(output, M: int, k: int, SN: int, x, **inputs) -> None:
     check_tensor("output", output, dtypes=(x.dtype,), shape=(M, k, SN), legend="[M, k, S*N] in x's dtype")
     if output.device != x.device:
         raise ValueError(f"output: is on {output.device} but x is on {x.device}")
+    check_no_self_overlap("output", output)
     if output.stride(2) != 1 or output.stride(0) != k * output.stride(1):
         raise ValueError("output: must have contiguous (token, slot) rows and columns "
                          f"(strides {tuple(output.stride())}); pass output.contiguous() or a fresh buffer")

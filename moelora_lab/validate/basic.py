@@ -92,6 +92,14 @@ def check_int(name: str, value, *, low: int | None = None, high: int | None = No
     return value
 
 
+def check_bool(name: str, value, *, none_ok: bool = False) -> None:
+    """Check that a flag is True or False (or None with ``none_ok``): a string such as "False" is truthy, and
+    would silently mean the opposite of what it says."""
+    if not (isinstance(value, bool) or (none_ok and value is None)):
+        raise TypeError(f"{name}: expected True or False{' (or None)' if none_ok else ''}, got "
+                        f"{type(value).__name__} {value!r}")
+
+
 def check_choice(name: str, value, choices: Iterable) -> None:
     choices = tuple(choices)
     if value not in choices:
@@ -121,6 +129,19 @@ def check_rows(name: str, rows, keys: Sequence[str], source: str | None = None) 
             raise ValueError(f"{name}[{i}]: missing {', '.join(missing)}; expected rows"
                              f"{' of ' + source if source else ' with ' + ', '.join(keys)}")
     return list(rows)
+
+
+def check_no_self_overlap(name: str, value: torch.Tensor) -> None:
+    """Raise if two elements of ``value`` share memory (a stride-0 ``expand``, or rows closer than their
+    width): a kernel writing one of them would overwrite the other. Sorted by stride, every dimension must
+    step past all the elements of the smaller ones (the usual dense and strided layouts do)."""
+    reach = 0                                      # the farthest element offset of the dims seen so far
+    for stride, size in sorted((abs(s), n) for n, s in zip(value.shape, value.stride()) if n > 1):
+        if stride <= reach:
+            raise ValueError(f"{name}: its elements overlap in memory (shape {tuple(value.shape)}, strides "
+                             f"{tuple(value.stride())}, e.g. an expand()); writing one would change another. Pass "
+                             "a tensor of its own, e.g. torch.empty(shape) or .clone()")
+        reach += (size - 1) * stride
 
 
 def check_no_overlap(name: str, value: torch.Tensor, **others) -> None:
