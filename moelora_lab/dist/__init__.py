@@ -5,7 +5,9 @@
 * :func:`tp_layer` (``dist.tp``): tensor parallelism with the LoRA replicated-A or fully sharded;
 * :class:`ExpertPartition`, :func:`shard_tp` (``dist.partition``): who holds which weights;
 * ``dist.comm``: the bytes each step moves, next to ``profile.traffic``'s byte model;
-* :func:`run_local` (``dist.launch``): W local processes in one group, from a script or a notebook.
+* :func:`run_local` (``dist.launch``): W local processes in one group, from a script or a notebook;
+* ``dist.agree``: both layers check every input on every rank before their first collective, and every
+  rank raises the same error, naming the rank that holds the bad input.
 
 The process group is always an argument (default: the world group).
 """

@@ -4,11 +4,14 @@ Shape legend: M tokens (this rank's), E experts, k top-k, L adapters, r rank, H 
 I expert intermediate, W ranks, P = M*k pairs, R pairs this rank receives, E_w local experts.
 
 Every rank holds its own tokens and the weights of its experts (:class:`ExpertPartition`). A call
-runs three steps, as serving engines' modular MoE layers do:
+first checks every input on every rank and has the ranks agree on the outcome (``agree.agree``:
+one all-gather of a few integers, read on the host; the ids' ranges cost one device read with
+``validate=True``), so that a bad input raises the same error on every rank rather than on one while
+the others wait in an all-to-all. Then it runs three steps, as serving engines' modular MoE layers do:
 
 1. **prepare / dispatch**: count the pairs for each rank and exchange the counts (an all-to-all of
-   W integers per micro-batch, :func:`count_pairs`: the only host synchronisation, because the
-   payload's split sizes must be known on the host), sort the P pairs by the rank owning their
+   W integers per micro-batch, :func:`count_pairs`: a host synchronisation, because the payload's
+   split sizes must be known on the host), sort the P pairs by the rank owning their
    expert, then one all-to-all of the pairs' rows [P, H] and one of their metadata [P, 3] (local
    expert id, adapter slot, routing weight's bits).
 2. **experts**: the R received pairs are R one-slot tokens for the local layer
@@ -25,6 +28,7 @@ experts of this one (asynchronous collectives; NCCL runs them on its own stream)
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
@@ -34,9 +38,17 @@ import triton
 from .._backend import on_device
 from ..kernels.combine import gather_sum_kernel
 from ..layer import moe_lora_layer
+from ..layer_plan import IN_GEMM, SCHEDULES, fused_fits
+from ..moe import MAX_FUSED_COLUMNS
+from ..paths import KERNEL_CHOICES, get_path
 from ..streams import traced
-from ..validate import check_int
+from ..validate import (ANY_SLOT, FLOAT_DTYPES, LayerDims, check_bool, check_choice, check_int,
+                        check_layer_inputs, check_lora_ranks, check_tensor, check_values, routing_ranges)
+from .agree import Same, agree, check_kernels_run, dtype_code, dtype_name, layer_device, run_checks
 from .partition import LORA_KEYS, ExpertPartition
+
+# the schedules a rank's experts can run: no in_k pack travels with the local weights
+EP_SCHEDULES = tuple(s for s in SCHEDULES if s != "in_k")
 
 
 class Dispatch(NamedTuple):
@@ -133,35 +145,108 @@ def ep_layer(x, topk_ids, topk_weights, token_lora, local: dict, partition: Expe
     ``partition.shard(full_weights, rank)`` (``w13``, ``w2`` and optionally the four LoRA lists).
     Collective: every rank of ``group`` must call it (with any M, 0 included) with the same
     ``micro_batches``. ``counts``: :func:`count_pairs` of these very ids, made beforehand (else the
-    layer makes them: one host synchronisation). ``validate=False`` skips the id checks (host
-    synchronisations). ``tracer`` (``profile.timeline.Tracer``) records the stages.
+    layer makes them: one host synchronisation). ``tracer`` (``profile.timeline.Tracer``) records the
+    stages.
+
+    Every rank checks all of its inputs before the first exchange of pairs: shapes, dtypes and
+    devices, and (``validate=True``) the ids' ranges (global expert ids in [0, E), adapter slots in
+    [-1, L), ``lora_ranks`` in [0, r]: one device read). The ranks then agree (one all-gather of a few
+    integers, :func:`agree.agree`): if any rank's inputs are wrong, or the ranks disagree on H, the
+    dtype, E, the adapters or ``micro_batches``, every rank raises the same ValueError or TypeError,
+    naming the argument and the rank that holds it, instead of one rank raising while the others wait
+    in the all-to-all. ``validate=False`` skips the id ranges only, for ids you have checked.
     """
     group = group if group is not None else dist.group.WORLD
-    check_int("micro_batches", micro_batches, low=1)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    if partition.world_size != world:
-        raise ValueError(f"partition: made for {partition.world_size} ranks, but the group has {world}; use "
-                         f"ExpertPartition({partition.num_experts}, {world})")
-    E_w = len(partition.experts_of(rank))
-    if local["w13"].shape[0] != E_w:
-        raise ValueError(f"local: w13 holds {local['w13'].shape[0]} experts, but rank {rank} owns {E_w} "
-                         f"({partition.experts_of(rank)}); pass partition.shard(weights, {rank})")
-    if validate and topk_ids.numel():
-        lo, hi = torch.stack(torch.aminmax(topk_ids)).tolist()          # one synchronisation
-        if lo < 0 or hi >= partition.num_experts:
-            raise ValueError(f"topk_ids: global expert ids must lie in [0, {partition.num_experts}), got ids "
-                             f"from {lo} to {hi}")
+    dims, error = run_checks(check_inputs, x, topk_ids, topk_weights, token_lora, local, partition, world=world,
+                             rank=rank, lora_ranks=lora_ranks, schedule=schedule, lora_path=lora_path,
+                             micro_batches=micro_batches, counts=counts, validate=validate)
+    agree(group, error, _must_match(dims, x, partition, micro_batches, counts), layer_device(x))
     if counts is None:
         with traced(tracer, "counts"):
             counts = count_pairs(topk_ids, partition, group=group, micro_batches=micro_batches)
-    elif len(counts.send) != micro_batches or any(len(c) != world for c in counts.send):
-        raise ValueError(f"counts: made for {len(counts.send)} micro-batch(es) of {len(counts.send[0])} ranks; this "
-                         f"call has micro_batches={micro_batches} over {world} ranks (pass count_pairs(..., "
-                         f"micro_batches={micro_batches}))")
-    run = dict(lora_ranks=lora_ranks, schedule=schedule, lora_path=lora_path, validate=validate)
+    # the received ids need no second check: every sender checked its own (or was told they are fine)
+    run = dict(lora_ranks=lora_ranks, schedule=schedule, lora_path=lora_path, validate=False)
     if micro_batches == 1:
         return _one_batch(x, topk_ids, topk_weights, token_lora, local, partition, group, counts, run, tracer)
     return _pipelined(x, topk_ids, topk_weights, token_lora, local, partition, group, counts, run, tracer)
+
+
+def check_inputs(x, topk_ids, topk_weights, token_lora, local, partition, *, world: int, rank: int, lora_ranks,
+                 schedule: str, lora_path: str, micro_batches: int, counts, validate: bool) -> LayerDims:
+    """One rank's inputs of :func:`ep_layer`, all of them (the ids' ranges with ``validate``); returns
+    the dims of its local layer (E = this rank's experts). Raises where ``moe_lora_layer`` on the
+    received pairs, or the exchange, would fail later on this rank alone."""
+    check_bool("validate", validate)
+    check_int("micro_batches", micro_batches, low=1)
+    check_choice("schedule", schedule, EP_SCHEDULES)
+    get_path(lora_path, "lora_path", KERNEL_CHOICES)
+    if not isinstance(partition, ExpertPartition):
+        raise TypeError("partition: expected an ExpertPartition(num_experts, world_size), got "
+                        f"{type(partition).__name__}")
+    if partition.world_size != world:
+        raise ValueError(f"partition: made for {partition.world_size} ranks, but the group has {world}; use "
+                         f"ExpertPartition({partition.num_experts}, {world})")
+    if not isinstance(local, Mapping) or "w13" not in local or "w2" not in local:
+        raise TypeError(f"local: expected this rank's experts, partition.shard(weights, {rank}): a dict with 'w13', "
+                        f"'w2' and optionally {', '.join(map(repr, LORA_KEYS))}; got {type(local).__name__}")
+    w13 = check_tensor("local['w13']", local["w13"], ndim=3, dtypes=FLOAT_DTYPES, legend="[E_w, 2I, H]")
+    E_w = len(partition.experts_of(rank))
+    if w13.shape[0] != E_w:
+        raise ValueError(f"local: w13 holds {w13.shape[0]} experts, but rank {rank} owns {E_w} "
+                         f"({partition.experts_of(rank)}); pass partition.shard(weights, {rank})")
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES, legend="[M, H]")
+    if x.dtype != w13.dtype:
+        raise TypeError(f"x: dtype {x.dtype} differs from the local weights' {w13.dtype}; cast x to {w13.dtype} "
+                        "(or the weights, once, when they are loaded)")
+    dims = check_layer_inputs(x, topk_ids, topk_weights, token_lora, w13, local["w2"],
+                              *(local.get(key) for key in LORA_KEYS))
+    check_kernels_run(x)
+    with_lora = dims.L is not None and dims.r > 0
+    if with_lora and schedule in IN_GEMM and not fused_fits(dims.L, dims.r):
+        raise ValueError(f"schedule={schedule!r}: the in-GEMM LoRA needs L*r <= {MAX_FUSED_COLUMNS} (here "
+                         f"L={dims.L}, r={dims.r}); use schedule='sequential' or 'dual_stream'")
+    if with_lora and schedule == "in_join" and lora_path not in ("auto", "two_kernel"):
+        raise ValueError(f"lora_path: {lora_path!r} has no meaning with schedule='in_join' (it runs the two-kernel "
+                         "path's shrink and expands in the join kernels); leave lora_path at 'auto'")
+    if counts is not None:
+        _check_counts(counts, topk_ids, micro_batches, world)
+    ranges = routing_ranges(topk_ids, token_lora, partition.num_experts, dims.L or ANY_SLOT)
+    if dims.L is not None:
+        ranges += check_lora_ranks(lora_ranks, dims.L, dims.r)
+    if validate:
+        check_values(ranges)
+    return dims
+
+
+def _check_counts(counts, topk_ids, micro_batches: int, world: int) -> None:
+    """counts from :func:`count_pairs` for this call: its micro-batches, ranks and pairs sent."""
+    if not isinstance(counts, Counts):
+        raise TypeError(f"counts: expected count_pairs(topk_ids, partition, micro_batches={micro_batches}) of this "
+                        f"call's ids, got {type(counts).__name__}")
+    sizes = [len(c) for c in counts.send + counts.recv]
+    if len(counts.send) != micro_batches or len(counts.recv) != micro_batches or any(n != world for n in sizes):
+        ranks = sizes[0] if sizes else 0
+        raise ValueError(f"counts: made for {len(counts.send)} micro-batch(es) of {ranks} ranks; this "
+                         f"call has micro_batches={micro_batches} over {world} ranks (pass count_pairs(..., "
+                         f"micro_batches={micro_batches}))")
+    for i, (sent, ids) in enumerate(zip(counts.send, topk_ids.tensor_split(micro_batches))):
+        if sum(sent) != ids.numel():
+            raise ValueError(f"counts: micro-batch {i} sends {sum(sent)} pairs, but this call's topk_ids has "
+                             f"{ids.numel()} there; pass count_pairs(...) of these very ids")
+
+
+def _must_match(dims: LayerDims | None, x, partition, micro_batches, counts) -> list:
+    """What every rank must pass alike (the same fields on every rank; values of a failed check unused)."""
+    ok = dims is not None
+    L = dims.L if ok and dims.L is not None else -1
+    return [Same("x", "the hidden size H (x's columns)", dims.H if ok else 0),
+            Same("x", "the dtype", dtype_code(x.dtype) if ok else 0, dtype_name),
+            Same("partition", "the number of experts", partition.num_experts if ok else 0),
+            Same("local", "the number of adapter slots L (-1: no LoRA)", L),
+            Same("local", "the LoRA rank r (-1: no LoRA)", dims.r if L >= 0 else -1),
+            Same("micro_batches", "the number of micro-batches", micro_batches if ok else 0),
+            Same("counts", "whether counts is passed (1) or made by the layer (0)", int(counts is not None))]
 
 
 def _one_batch(x, topk_ids, topk_weights, token_lora, local, partition, group, counts, run, tracer):

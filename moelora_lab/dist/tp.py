@@ -19,6 +19,8 @@ can keep it in registers, and the two-kernel path (``paths.launch_shrink`` then
 """
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import torch
 import torch.distributed as dist
 
@@ -27,33 +29,95 @@ from ..dispatch import choose_config
 from ..layer import plan_layer
 from ..moe import gemm_tiles, moe_gemm, silu_and_mul, topk_sum
 from ..ops import run_lora
-from ..paths import launch_expand, launch_shrink
+from ..paths import KERNEL_CHOICES, get_path, launch_expand, launch_shrink
 from ..streams import traced
-from ..validate import ANY_SLOT, check_routing, check_values, routing_ranges
-from .partition import local_ranks
+from ..validate import (ANY_SLOT, FLOAT_DTYPES, LayerDims, check_bool, check_layer_base, check_lora_ranks,
+                        check_routing, check_same_device, check_tensor, check_values, routing_ranges)
+from .agree import (Same, _all_gather, agree, check_kernels_run, dtype_code, dtype_name, layer_device,
+                    run_checks)
+from .partition import LORA_KEYS, local_ranks
 
 
-# torch >= 2.13 renames all_gather_into_tensor (and warns on the old name)
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+def _slices(key: str, ws, count: int, x: torch.Tensor) -> list:
+    """``local[key]``: ``count`` 4-D tensors in x's dtype, on x's device, all with one memory layout
+    (the kernels read every slice with slice 0's strides)."""
+    name = f"local[{key!r}]"
+    if isinstance(ws, torch.Tensor) or not isinstance(ws, Sequence) or len(ws) != count:
+        raise TypeError(f"{name}: expected a list of {count} tensor(s), one per slice, as shard_tp makes it; got "
+                        f"{type(ws).__name__}" + (f" of {len(ws)}" if isinstance(ws, Sequence) else ""))
+    for s, w in enumerate(ws):
+        check_tensor(f"{name}[{s}]", w, ndim=4, dtypes=FLOAT_DTYPES, device=x.device)
+        if w.dtype != x.dtype:
+            raise TypeError(f"{name}[{s}]: dtype {w.dtype} differs from x's {x.dtype}; the LoRA weights must "
+                            "share the layer's dtype (cast them once, when they are loaded)")
+        if w.stride() != ws[0].stride():
+            raise ValueError(f"{name}: the slices have different memory layouts (strides {ws[0].stride()} and "
+                             f"{w.stride()}); the kernels read every slice with slice 0's strides: make them alike")
+    return list(ws)
 
 
-def _lora_dims(local: dict, fully_sharded: bool, world: int):
-    """(L, r) of the full adapters, from a rank's shards (a ValueError if the shards disagree)."""
-    a13, b13, a2, b2 = (local[key] for key in ("w13_lora_a", "w13_lora_b", "w2_lora_a", "w2_lora_b"))
-    L, r = b13[0].shape[0], b13[0].shape[3]
-    I_w, H = local["w2"].shape[2], local["w2"].shape[1]
-    want = {"w13_lora_a": (L, r // world if fully_sharded else r, H), "w13_lora_b": (L, I_w, r),
-            "w2_lora_a": (L, r, I_w), "w2_lora_b": (L, H // world if fully_sharded else H, r)}
-    got = {"w13_lora_a": (a13[0].shape[0], a13[0].shape[2], a13[0].shape[3]),
-           "w13_lora_b": (L, b13[0].shape[2], r),
-           "w2_lora_a": (a2[0].shape[0], a2[0].shape[2], a2[0].shape[3]),
-           "w2_lora_b": (b2[0].shape[0], b2[0].shape[2], b2[0].shape[3])}
-    for key in want:
-        if want[key] != got[key]:
-            raise ValueError(f"local[{key!r}]: (L, rows, cols) {got[key]} where this rank expects {want[key]} for "
-                             f"fully_sharded={fully_sharded} over {world} ranks; make the shards with "
-                             f"shard_tp(weights, rank, {world}, fully_sharded={fully_sharded})")
+def _lora_dims(local: dict, fully_sharded: bool, world: int, x: torch.Tensor, E: int, H: int, I_w: int):
+    """(L, r) of the full adapters, from a rank's shards (a ValueError or TypeError if a shard does not fit)."""
+    L, r = _slices("w13_lora_b", local["w13_lora_b"], 2, x)[0].shape[::3]
+    if fully_sharded and (r % world or H % world):
+        raise ValueError(f"local['w13_lora_b']: a fully sharded LoRA over {world} ranks needs r={r} and H={H} to "
+                         f"divide by {world}; pick another world size or fully_sharded=False")
+    want = {"w13_lora_a": (2, (L, E, r // world if fully_sharded else r, H)), "w13_lora_b": (2, (L, E, I_w, r)),
+            "w2_lora_a": (1, (L, E, r, I_w)), "w2_lora_b": (1, (L, E, H // world if fully_sharded else H, r))}
+    for key, (count, shape) in want.items():
+        for s, w in enumerate(_slices(key, local[key], count, x)):
+            if tuple(w.shape) != shape:
+                raise ValueError(f"local[{key!r}][{s}]: shape {tuple(w.shape)} where this rank expects {shape} "
+                                 f"for fully_sharded={fully_sharded} over {world} ranks; make the shards with "
+                                 f"shard_tp(weights, rank, {world}, fully_sharded={fully_sharded})")
     return L, r
+
+
+def check_inputs(x, topk_ids, topk_weights, token_lora, local, *, fully_sharded: bool, world: int, lora_ranks,
+                 lora_path: str, validate: bool) -> LayerDims:
+    """One rank's inputs of :func:`tp_layer`, all of them (the ids' ranges with ``validate``); returns
+    the dims of its share (I = I_w, this rank's intermediate columns)."""
+    check_bool("fully_sharded", fully_sharded)
+    check_bool("validate", validate)
+    get_path(lora_path, "lora_path", KERNEL_CHOICES)
+    if not isinstance(local, Mapping) or "w13" not in local or "w2" not in local:
+        raise TypeError("local: expected this rank's shard_tp(weights, rank, W, fully_sharded=...): a dict with "
+                        f"'w13', 'w2' and optionally {', '.join(map(repr, LORA_KEYS))}; got {type(local).__name__}")
+    w13 = check_tensor("local['w13']", local["w13"], ndim=3, dtypes=FLOAT_DTYPES, legend="[E, 2 I_w, H]")
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES, legend="[M, H]")
+    if x.dtype != w13.dtype:
+        raise TypeError(f"x: dtype {x.dtype} differs from the local weights' {w13.dtype}; cast x to {w13.dtype} "
+                        "(or the weights, once, when they are loaded)")
+    E, H, I_w = check_layer_base(x, topk_ids, w13, local["w2"], same_dtype=True)
+    if topk_weights is None:
+        raise ValueError("topk_weights: required by the layer (the routing weights scale each expert's output)")
+    given = [local.get(key) is not None for key in LORA_KEYS]
+    if any(given) and not all(given):
+        raise ValueError(f"local: give all four of {', '.join(LORA_KEYS)} or none")
+    L, r = _lora_dims(local, fully_sharded, world, x, E, H, I_w) if all(given) else (None, None)
+    M, k = check_routing(topk_ids, token_lora, E, L or ANY_SLOT, topk_weights, values=False)
+    check_same_device(x=x, topk_ids=topk_ids)
+    check_kernels_run(x)
+    ranges = routing_ranges(topk_ids, token_lora, E, L or ANY_SLOT)
+    if L is not None:
+        ranges += check_lora_ranks(lora_ranks, L, r)
+    if validate:
+        check_values(ranges)
+    return LayerDims(M, k, E, H, I_w, L, r)
+
+
+def _must_match(dims: LayerDims | None, x, fully_sharded) -> list:
+    """What every rank must pass alike (the same fields on every rank; values of a failed check unused)."""
+    ok = dims is not None
+    L = dims.L if ok and dims.L is not None else -1
+    return [Same("x", "the number of tokens M (every rank passes all the tokens)", dims.M if ok else 0),
+            Same("topk_ids", "top-k (columns)", dims.k if ok else 0),
+            Same("x", "the hidden size H (x's columns)", dims.H if ok else 0),
+            Same("x", "the dtype", dtype_code(x.dtype) if ok else 0, dtype_name),
+            Same("local", "the number of experts", dims.E if ok else 0),
+            Same("local", "the number of adapter slots L (-1: no LoRA)", L),
+            Same("local", "the LoRA rank r (-1: no LoRA)", dims.r if L >= 0 else -1),
+            Same("fully_sharded", "the flag", int(fully_sharded) if ok else 0, lambda v: str(bool(v)))]
 
 
 def tp_layer(x, topk_ids, topk_weights, token_lora, local: dict, *, fully_sharded: bool, group=None,
@@ -62,25 +126,38 @@ def tp_layer(x, topk_ids, topk_weights, token_lora, local: dict, *, fully_sharde
 
     Every rank passes the same tokens and routing (as :func:`moelora_lab.moe_lora_layer`) and its
     own ``local = shard_tp(weights, rank, W, fully_sharded=...)``; the layer runs one stream.
-    ``fully_sharded=True`` forces the two-kernel LoRA path (the intermediate must travel);
-    ``lora_path`` applies otherwise. ``validate=False`` skips the id-range checks (a host
-    synchronisation). ``tracer`` records every stage, collectives on lane "comm".
+    ``fully_sharded=True`` (a bool) forces the two-kernel LoRA path (the intermediate must travel);
+    ``lora_path`` applies otherwise. ``tracer`` records every stage, collectives on lane "comm".
+
+    Every rank checks all of its inputs before the first collective: x [M, H] in the local weights'
+    dtype and device, the routing [M, k] and [M], the shards, ``lora_ranks``, ``lora_path``, the
+    flags and (``validate=True``, one device read) the ids' ranges and ``lora_ranks`` in [0, r]. The
+    ranks then agree (one all-gather of a few integers, :func:`agree.agree`): if any rank's inputs are
+    wrong, or the ranks disagree on M, k, H, E, the dtype, the adapters or ``fully_sharded``, every
+    rank raises the same ValueError or TypeError, naming the argument and the rank that holds it.
+    ``validate=False`` skips the id ranges only, for ids you have checked.
     """
     group = group if group is not None else dist.group.WORLD
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    world = dist.get_world_size(group)
+    dims, error = run_checks(check_inputs, x, topk_ids, topk_weights, token_lora, local, fully_sharded=fully_sharded,
+                             world=world, lora_ranks=lora_ranks, lora_path=lora_path, validate=validate)
+    agree(group, error, _must_match(dims, x, fully_sharded), layer_device(x))
+    M, k, E, H, I_w, L, r = dims
+    if M == 0:                                # every rank has the same M: all skip the collectives
+        return x.new_empty(0, H)
     w13, w2 = local["w13"], local["w2"]
-    E, H, I_w = w2.shape
-    with_lora = local.get("w13_lora_a") is not None
-    L, r = _lora_dims(local, fully_sharded, world) if with_lora else (None, None)
-    M, k = check_routing(topk_ids, token_lora, E, L or ANY_SLOT, topk_weights, values=False)
-    if validate:
-        check_values(routing_ranges(topk_ids, token_lora, E, L or ANY_SLOT))
+    with_lora = L is not None
     P = M * k
     path = "two_kernel" if fully_sharded else lora_path
     with on_device(x):
+        # What the kernels read without strides is made contiguous here, once: the adapter ids (the joins,
+        # and the block lists on a GPU) and the per-slot ranks. x, the base and LoRA weights, the
+        # intermediates and the outputs go to the kernels with their strides; the routing weights are
+        # flattened (a copy where needed) into ``weights``, and topk_ids is read through reshape(-1).
+        token_lora = token_lora.to(torch.int32).contiguous()
         plan = plan_layer(topk_ids, token_lora, E, L, r, hidden=H, intermediate=I_w, lora_path=path,
                           schedule="sequential", validate=False, lora_ranks=lora_ranks)
-        ranks = None if lora_ranks is None else lora_ranks.to(device=x.device, dtype=torch.int32)
+        ranks = None if lora_ranks is None else lora_ranks.to(device=x.device, dtype=torch.int32).contiguous()
         weights = topk_weights.reshape(-1).float().contiguous()
         tiles = gemm_tiles(P, E)
         c1 = x.new_empty(P, 2 * I_w)
