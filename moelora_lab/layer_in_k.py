@@ -64,7 +64,10 @@ def _pack(w: torch.Tensor, lora_b, at: int, names: tuple, slices: int) -> torch.
     L, r = b.shape[0], b.shape[3]
     ext = w.new_zeros(E, N, at + L * r)
     ext[:, :, :K] = w
-    ext[:, :, at:] = b.permute(1, 2, 0, 3).reshape(E, N, L * r)
+    # every pair multiplies its zero columns (other slots', past its slot's rank) by these: NaN or inf there
+    # (a slot allocated but not loaded yet, B past a slot's rank) would reach every row as 0 * NaN, so they
+    # are packed as zeros
+    ext[:, :, at:] = torch.nan_to_num(b.permute(1, 2, 0, 3).reshape(E, N, L * r), nan=0.0, posinf=0.0, neginf=0.0)
     return ext
 
 
@@ -109,7 +112,15 @@ def _version(t: torch.Tensor):
 def pack_in_k(w13: torch.Tensor, w2: torch.Tensor, w13_lora_b, w2_lora_b) -> InKWeights:
     """Pack the layer once for the LoRA in K: ``w13_ext`` and ``w2_ext`` as :func:`pack_w13_in_k` and
     :func:`pack_w2_in_k` build them, and ``w13`` / ``w2`` as views of them (drop your own copies of the
-    base weights). Pack again when an adapter slot changes: the layer refuses a stale pack."""
+    base weights). Pack again when an adapter slot changes: the layer refuses a stale pack.
+
+    The packed K multiplies every pair's zero columns (another slot's, past its slot's rank) by those
+    slots' B, so NaN and inf in B (a slot allocated but not loaded yet, B past a slot's rank) are packed
+    as zeros: they never reach a row, as on every other schedule. The one difference: a token whose own
+    adapter holds NaN inside its rank gets NaN from the other schedules and a delta without those
+    values from ``in_k``. (Dropping the unused columns inside the GEMMs instead kept B as it is, but the
+    select took the W tile off the bulk-copy to tensor-core path: 1.12-1.67x each GEMM's time at M = 2048
+    and 8192, r 16 and 64, on an H100: data/history/tail_mask_b69769dfe1.csv.)"""
     w13_ext, w2_ext = pack_w13_in_k(w13, w13_lora_b), pack_w2_in_k(w2, w2_lora_b)
     bs = (*w13_lora_b, *w2_lora_b)
     return InKWeights(w13_ext[:, :, :w13.shape[2]], w2_ext[:, :, :w2.shape[2]], w13_ext, w2_ext, bs,
@@ -219,7 +230,7 @@ def w2_in_k_layer(x, topk_ids, topk_weights, token_lora, w13, w2_ext, w13_lora_a
         streams.join()
         _act_and_shrink(c1, d13.view(P, 2 * I), h_ext, w2_lora_a[0], plan, token_lora32, streams, k, H, I, r,
                         lora_ranks)
-        return _w2_and_sum(h_ext, w2_ext, plan, token_lora32, topk_weights, streams, M, k, H, I)
+        return _w2_and_sum(h_ext, w2_ext, plan, token_lora32, topk_weights, streams, M, k, H)
 
 
 def in_k_layer(x, topk_ids, topk_weights, token_lora, w13_ext, w2_ext, w13_lora_a, w2_lora_a, *,
@@ -258,7 +269,7 @@ def in_k_layer(x, topk_ids, topk_weights, token_lora, w13_ext, w2_ext, w13_lora_
         with streams.stage("w13+lora", "main"):
             moe_gemm(x, w13_ext, plan.base_blocks, c1, top_k=k, tiles=gemm_tiles(P, E), x_tail=t13)
         _act_and_shrink(c1, None, h_ext, w2_lora_a[0], plan, token_lora32, streams, k, H, I, r, lora_ranks)
-        return _w2_and_sum(h_ext, w2_ext, plan, token_lora32, topk_weights, streams, M, k, H, I)
+        return _w2_and_sum(h_ext, w2_ext, plan, token_lora32, topk_weights, streams, M, k, H)
 
 
 def _overlapped(x, plan, token_lora32, topk_weights, a13, a2, w13_ext, w2_ext, t13, c1, h_ext, streams, lora_ranks,
@@ -289,15 +300,14 @@ def _act_and_shrink(c1, delta, h_ext, a2, plan, token_lora32, streams, k: int, H
         _shrink_tail(h_ext, [a2], plan, token_lora32, k, h_ext[:, I:].unsqueeze(0), H, r, lora_ranks)
 
 
-def _w2_and_sum(h_ext, w2_ext, plan, token_lora32, topk_weights, streams, M: int, k: int, H: int, I: int):
-    """The layer from h_ext = [h | T2] on: the w2 GEMM over h_ext and w2_ext (T2's columns, from I on, zero
-    outside each pair's slot and rank), the top-k sum."""
+def _w2_and_sum(h_ext, w2_ext, plan, token_lora32, topk_weights, streams, M: int, k: int, H: int):
+    """The layer from h_ext = [h | T2] on: the w2 GEMM over h_ext and w2_ext, the top-k sum."""
     P = M * k
     c3, y = h_ext.new_empty(P, H), h_ext.new_empty(M, H)
     weights = topk_weights.reshape(-1).float().contiguous()
     with streams.stage("w2+lora", "main"):
         moe_gemm(h_ext, w2_ext, plan.base_blocks, c3, top_k=k, topk_weights=weights,
-                 tiles=gemm_tiles(P, w2_ext.shape[0]), lora_from=I)
+                 tiles=gemm_tiles(P, w2_ext.shape[0]))
     with streams.stage("sum", "main"):
         topk_sum(c3, y, top_k=k)
     return y

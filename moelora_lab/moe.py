@@ -88,8 +88,7 @@ def fused_columns(num_loras: int, rank: int) -> int:
 
 def moe_gemm(x: torch.Tensor, w: torch.Tensor, blocks: BlockList, out: torch.Tensor, *, top_k: int,
              topk_weights: torch.Tensor | None = None, tiles: dict | None = None,
-             lora: GemmLoRA | None = None, x_tail: torch.Tensor | None = None,
-             lora_from: int | None = None) -> torch.Tensor:
+             lora: GemmLoRA | None = None, x_tail: torch.Tensor | None = None) -> torch.Tensor:
     """out[p] = (w_p *) (W[e_p] @ x_row(p) + B[l, e_p] @ A[l, e_p] @ x_row(p)) for every pair, over
     expert-sorted ``blocks``; the LoRA term only with ``lora`` and only for pairs whose token has an
     adapter l. Inputs are trusted (the layer validates them).
@@ -103,10 +102,6 @@ def moe_gemm(x: torch.Tensor, w: torch.Tensor, blocks: BlockList, out: torch.Ten
     ``x_tail`` [S, P, C] (contiguous, x's dtype) widens every pair's x row by its own row of the tail
     of its slice (LoRA in K, ``layer_in_k``): w is then [E, N, tail_at + C] with the tail's weights
     from column tail_at = ``tail_start(x.shape[1])`` on, and slice s owns output columns s*N/S ...
-    ``lora_from``: x's columns from this one on are LoRA intermediates (zeros outside each row's slot and
-    rank, as ``layer_in_k`` packs them); the W columns no row of a tile uses there are never multiplied
-    (the x tail's columns are always treated so). ``tiles`` may say ``MASK_TAIL=False`` to multiply them all
-    (only to measure what dropping them costs: weights nothing should read then reach every row as 0 * NaN).
     """
     E, N, K = w.shape
     P = out.shape[0]
@@ -114,18 +109,10 @@ def moe_gemm(x: torch.Tensor, w: torch.Tensor, blocks: BlockList, out: torch.Ten
     if lora is not None and x_tail is not None:
         raise ValueError("x_tail: the LoRA comes in K or in the GEMM (lora=), not both; pass one of them")
     tail_at = _check_tail(x, w, x_tail, P, tiles["BLOCK_K"]) if x_tail is not None else K
-    if lora_from is not None:
-        if x_tail is not None or not 0 <= lora_from <= K:
-            raise ValueError(f"lora_from: expected a column of x in [0, {K}] and no x_tail (whose columns are "
-                             f"always LoRA columns), got {lora_from!r}")
-        tail_at = lora_from
     if tiles["BLOCK_M"] != blocks.block_size:
         raise ValueError(f"blocks: block size {blocks.block_size} != BLOCK_M {tiles['BLOCK_M']}; build them with "
                          "block_list(..., block_size=gemm_tiles(...)['BLOCK_M'])")
     half = tiles.pop("HALF_TAIL", half_tail(tiles["BLOCK_M"]))
-    mask_tail = tiles.pop("MASK_TAIL", x_tail is not None or lora_from is not None)
-    if mask_tail not in (True, False):
-        raise ValueError(f"tiles: MASK_TAIL must be True or False, got {mask_tail!r}")
     if half not in (True, False) or (half and tiles["BLOCK_M"] % 2):
         raise ValueError(f"tiles: HALF_TAIL must be True or False (True with an even BLOCK_M), got {half!r} with "
                          f"BLOCK_M {tiles['BLOCK_M']}")
@@ -162,7 +149,7 @@ def moe_gemm(x: torch.Tensor, w: torch.Tensor, blocks: BlockList, out: torch.Ten
             *(t.stride() if t is not None else (0, 0, 0)), x.shape[1], tail_at, tail_off,
             BLOCK_LR=block_lr, TOKEN_ROWS=x.shape[0] != P or top_k == 1, MUL_ROUTED_WEIGHT=mul,
             HAS_LORA=lora is not None, HAS_RANKS=has_ranks, W_TMA=w_tma, T_IN=lora is not None and lora.shrunk is not None,
-            X_TAIL=x_tail is not None, HALF_TAIL=bool(half), MASK_TAIL=bool(mask_tail) and tail_at < K,
+            X_TAIL=x_tail is not None, HALF_TAIL=bool(half),
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages, **tiles)
     return out
 

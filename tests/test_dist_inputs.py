@@ -315,7 +315,6 @@ def test_run_local_raises_at_once_when_the_processes_die_before_joining(tmp_path
     monkeypatch.syspath_prepend(str(tmp_path))
     import dies_in_children
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"rank 0: the process exited with code 5(.|\n)*rank 1: the process exited "
-                                           r"with code 5"):
+    with pytest.raises(RuntimeError, match=r"rank [01]: the process exited with code 5"):     # whichever dies first
         run_local(dies_in_children.work, 2, timeout_s=60)
     assert time.monotonic() - start < 30

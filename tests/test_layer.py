@@ -229,15 +229,23 @@ def test_cpu_dual_stream_says_it_runs_sequentially():
     (dict(join="add"), ValueError, "join: 'add' is not one of 'fold', 'vllm'"),
     (dict(w2_lora_b=None), ValueError, "give all four or none"),
     (dict(w2=torch.zeros(6, 48, 40, dtype=torch.float16)), TypeError, "w2: dtype torch.float16"),
-    (dict(schedule="fused", lora_path="one_shot"), ValueError, "lora_path: 'one_shot' has no meaning with "
-                                                               "schedule='fused' .* launches no LoRA path"),
-    (dict(schedule="epilogue", lora_path="small_batch"), ValueError, "lora_path: 'small_batch' has no meaning"),
-    (dict(schedule="in_join", join="vllm"), ValueError, "join: 'vllm' has no meaning with schedule='in_join'"),
     (dict(validate="no"), TypeError, "validate: expected True or False"),
 ])
 def test_layer_validation(change, exc, match):
     p = problem("cpu", seed=7)
     with pytest.raises(exc, match=match):
+        moe_lora_layer(**(p.layer_inputs() | change))
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(schedule="fused", lora_path="one_shot"), "lora_path: 'one_shot' has no meaning with schedule='fused' .* "
+                                                   "launches no LoRA path"),
+    (dict(schedule="epilogue", lora_path="small_batch"), "lora_path: 'small_batch' has no meaning"),
+    (dict(schedule="in_join", join="vllm"), "join: 'vllm' has no meaning with schedule='in_join'"),
+])
+def test_a_schedule_refuses_the_arguments_it_would_ignore(device, change, match):
+    p = problem(device, seed=7)
+    with pytest.raises(ValueError, match=match):
         moe_lora_layer(**(p.layer_inputs() | change))
 
 

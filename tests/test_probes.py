@@ -91,39 +91,3 @@ def test_join_border_runs_each_form_and_restores_the_border():
     assert probe.in_form("loop", lambda: moe.rows_as_tile(1))() is False
     assert moe.SUM_TILE_MAX_PAIRS == kept
 
-
-def test_tail_mask_times_the_gemms_with_and_without_the_drop(device):
-    # a slot no token uses holds NaN in the packed B: the masked GEMMs (the layer's) keep it out, the unmasked
-    # ones (the probe's baseline) let 0 * NaN through; with finite weights both give the same output
-    import moelora_lab as ml
-    from moelora_lab.in_k_launch import shrink_tail
-    from moelora_lab.layer_in_k import pack_w13_in_k, pack_w2_in_k
-
-    probe = load("tail_mask")
-    shape = ml.MoEShape(40, 24, 4, 2, "tail")
-    p = ml.make_problem(shape, ml.LoRAShape(3, 4), 6, device=device, seed=2)
-    p.token_lora[p.token_lora == 2] = 0                          # slot 2 has no token
-    E, H, I, k = 4, 40, 24, 2
-    plan = ml.plan_layer(p.topk_ids, p.token_lora, E, 3, 4, hidden=H, intermediate=I, schedule="sequential")
-    tl32 = p.token_lora.to(torch.int32)
-    P = 6 * k
-    t13 = torch.empty(2, P, 12, device=device)
-    shrink_tail(p.x, p.w13_lora_a, plan, tl32, k, t13, I, 4, None, token_rows=True)
-    h_ext = torch.randn(P, I + 12, device=device)
-    shrink_tail(h_ext, p.w2_lora_a, plan, tl32, k, h_ext[:, I:].unsqueeze(0), H, 4, None)
-    weights = p.topk_weights.reshape(-1).float()
-    outs = {}
-    for poison in (False, True):
-        b13, b2 = [w.clone() for w in p.w13_lora_b], [w.clone() for w in p.w2_lora_b]
-        if poison:
-            for w in b13 + b2:
-                w[2] = float("nan")
-        w13_ext, w2_ext = pack_w13_in_k(p.w13, b13), pack_w2_in_k(p.w2, b2)
-        for masked in (True, False):
-            fns = probe.gemms(p.x, h_ext, t13, w13_ext, w2_ext, plan.base_blocks, weights, k, I, masked)
-            outs[poison, masked] = [f().clone() for f in fns]
-    for a, b in zip(outs[False, True], outs[False, False]):
-        assert torch.equal(a, b)
-    for a, b in zip(outs[True, True], outs[False, True]):
-        assert torch.equal(a, b)
-    assert all(torch.isnan(o).any() for o in outs[True, False])

@@ -83,7 +83,7 @@ def run(args) -> list[dict]:
                 "w13_gemm_in_k": lambda: moe_gemm(x, w13_ext, plain.base_blocks, c1, top_k=k, tiles=tiles, x_tail=t13),
                 "w2_gemm": lambda: moe_gemm(h, w2, plain.base_blocks, c3, top_k=k, topk_weights=wflat, tiles=tiles),
                 "w2_gemm_in_k": lambda: moe_gemm(h_ext, w2_ext, plain.base_blocks, c3, top_k=k, topk_weights=wflat,
-                                                 tiles=tiles, lora_from=I),
+                                                 tiles=tiles),
                 "w13_shrink": lambda: shrink_tail(x, lora["w13_lora_a"], plan, tl32, k, t13, I, rank, None,
                                                   token_rows=True, one_read=W13_ONE_READ),
                 "w2_shrink": lambda: shrink_tail(h_ext, [a2], plan, tl32, k, h_ext[:, I:].unsqueeze(0), H, rank, None),

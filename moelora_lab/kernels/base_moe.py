@@ -56,7 +56,7 @@ def moe_gemm_kernel(
     stride_al, stride_ae, stride_ar, stride_ak, stride_bl, stride_be, stride_bn, stride_br,
     stride_ts, stride_tp, stride_tr,
     x_cols,            # X_TAIL: x's own columns (<= tail_at); K - tail_at tail columns follow
-    tail_at,           # X_TAIL / MASK_TAIL: the K column where the tail starts (X_TAIL: a multiple of BLOCK_K)
+    tail_at,           # X_TAIL: the K step where the tail starts (a multiple of BLOCK_K)
     tail_off,          # X_TAIL: the tail T [S, P, K - tail_at] as an element offset from x_ptr (unit column stride)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_LR: tl.constexpr,           # >= L*r: the stacked (adapter, rank) columns of the LoRA shrink
@@ -66,7 +66,6 @@ def moe_gemm_kernel(
     T_IN: tl.constexpr,               # with HAS_LORA: read the shrink from t_ptr, expand before the K loop
     X_TAIL: tl.constexpr = False,     # K steps from tail_at on read the pair's row of T (LoRA in K), not x
     HALF_TAIL: tl.constexpr = False,  # a block whose second half is padding runs a BLOCK_M / 2 tile
-    MASK_TAIL: tl.constexpr = False,  # K columns from tail_at on are LoRA intermediates: see below
 ):
     """Program (block, N tile): out[rows, n-tile] = (w *) (X[rows] @ W[e, n-tile]^T + LoRA of each row).
 
@@ -79,10 +78,6 @@ def moe_gemm_kernel(
     With HALF_TAIL, the last block of an expert whose pairs end in its first half (its slot BLOCK_M / 2
     holds the sentinel: a group's pairs fill its blocks from the front) multiplies a tile of half the
     rows, so the padding rows an expert's last block computes are at most BLOCK_M / 2 - 1, not BLOCK_M - 1.
-    With MASK_TAIL, the K columns from tail_at on hold each row's LoRA intermediate (the tail T of X_TAIL, or
-    the last columns of x itself): zeros outside the row's own slot and rank. W columns that every row of the
-    tile multiplies by zero are dropped from those K steps, so weights nothing should read (a slot no row uses,
-    B past a slot's rank) cannot turn the zeros into NaN (0 * NaN = NaN).
     """
     block, slice_id, n0 = gemm_tile(tl.program_id(0), N, n_slice, num_blocks, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + block)
@@ -99,7 +94,7 @@ def moe_gemm_kernel(
                     stride_on, stride_al, stride_ae, stride_ar, stride_ak, stride_bl, stride_be, stride_bn, stride_br,
                     stride_ts, stride_tp, stride_tr, x_cols, tail_at, tail_off, BLOCK_M // 2, BLOCK_N, BLOCK_K,
                     BLOCK_LR, TOKEN_ROWS, MUL_ROUTED_WEIGHT, EVEN_K, HAS_LORA, HAS_RANKS, DOT_PRECISION, W_TMA, T_IN,
-                    X_TAIL, MASK_TAIL)
+                    X_TAIL)
     else:
         _block_tile(start, expert, slice_id, n0, x_ptr, w_ptr, w_desc, out_ptr, topk_weights_ptr, sorted_pairs_ptr,
                     token_lora_ptr, a0_ptr, a1_ptr, b0_ptr, b1_ptr, lora_ranks_ptr, t_ptr, num_pairs, top_k, K, N,
@@ -107,7 +102,7 @@ def moe_gemm_kernel(
                     stride_on, stride_al, stride_ae, stride_ar, stride_ak, stride_bl, stride_be, stride_bn, stride_br,
                     stride_ts, stride_tp, stride_tr, x_cols, tail_at, tail_off, BLOCK_M, BLOCK_N, BLOCK_K,
                     BLOCK_LR, TOKEN_ROWS, MUL_ROUTED_WEIGHT, EVEN_K, HAS_LORA, HAS_RANKS, DOT_PRECISION, W_TMA, T_IN,
-                    X_TAIL, MASK_TAIL)
+                    X_TAIL)
 
 
 @triton.jit
@@ -119,7 +114,7 @@ def _block_tile(start, expert, slice_id, n0, x_ptr, w_ptr, w_desc, out_ptr, topk
                 BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_LR: tl.constexpr,
                 TOKEN_ROWS: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr,
                 HAS_LORA: tl.constexpr, HAS_RANKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                W_TMA: tl.constexpr, T_IN: tl.constexpr, X_TAIL: tl.constexpr, MASK_TAIL: tl.constexpr):
+                W_TMA: tl.constexpr, T_IN: tl.constexpr, X_TAIL: tl.constexpr):
     """One output tile of ``moe_gemm_kernel``: the BM pairs from slot ``start`` of ``expert``'s blocks."""
     pairs, valid, x_rows = rows_at(sorted_pairs_ptr, start, num_pairs, top_k, BM, TOKEN_ROWS)
     n_local = n0 + tl.arange(0, BLOCK_N)
@@ -171,10 +166,6 @@ def _block_tile(start, expert, slice_id, n0, x_ptr, w_ptr, w_desc, out_ptr, topk
             wk = tl.load(w_base + ks[:, None] * stride_wk, mask=n_ok[None, :], other=0.0)
         else:
             wk = tl.load(w_base + ks[:, None] * stride_wk, mask=n_ok[None, :] & (ks < K)[:, None], other=0.0)
-        if MASK_TAIL:
-            if k0 + BLOCK_K > tail_at:                 # a K step with LoRA columns: keep those some row uses
-                keep = (ks < tail_at) | (tl.max((xk != 0).to(tl.int32), axis=0) > 0)
-                wk = tl.where(keep[:, None], wk, 0.0)
         acc = tl.dot(xk, wk, acc, input_precision=DOT_PRECISION)                  # [BM, BK] @ [BK, BN]
         if HAS_LORA and not T_IN:
             if EVEN_K:

@@ -76,8 +76,6 @@ def _gemm_tail_program(pid, x_ptr, w_ptr, w_desc, out_ptr, topk_weights_ptr, sor
                 wk = w_desc.load([w_row0, tail_at + c0]).T
             else:
                 wk = tl.load(w_base + (tail_at + cs)[:, None], mask=n_ok[None, :] & c_ok[:, None], other=0.0)
-            used = tl.max((tk != 0).to(tl.int32), axis=0) > 0       # W columns no row uses: never multiplied
-            wk = tl.where(used[:, None], wk, 0.0)                     # (0 * NaN would be NaN)
             acc = tl.dot(tk, wk, acc, input_precision=DOT_PRECISION)
         if MUL_ROUTED_WEIGHT:
             acc = acc * tl.load(topk_weights_ptr + pairs, mask=valid, other=0.0)[:, None]
