@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 import moelora_lab as ml
 from moelora_lab.paths import PATH_CHOICES
-from utils import TOL
+from moelora_lab.layer_plan import SCHEDULE_JOINS
+from utils import STRIDED_KINDS, TOL, strided, strided_inputs
 
 # per test, a multiple of the profile's example count (ci: 25, thorough: 300)
 BASE = settings.default.max_examples
@@ -110,34 +111,55 @@ def test_every_path_matches_the_spec(device, data):
             assert torch.isnan(out[~owned]).all(), f"{path}: rows without an adapter were written"
 
 
+LAYER_RUNS = [(s, j) for s in ml.layer.SCHEDULES for j in SCHEDULE_JOINS.get(s, ("fold",))]
+
+
+@pytest.mark.parametrize("schedule, join", LAYER_RUNS)
+@settings(max_examples=max(3, BASE // 4))
 @given(data=st.data())
-def test_every_layer_schedule_matches_the_spec(device, data):
+def test_every_layer_schedule_matches_the_spec(device, schedule, join, data):
+    """Every schedule and join on drawn problems, the inputs as drawn views, NaN in a slot no token uses and
+    past each slot's rank, against the spec; a plan made beforehand changes nothing."""
     topk_ids, topk_weights, token_lora, E, L = data.draw(routing(max_tokens=6, max_experts=5))
     M, k = topk_ids.shape
     H, I = data.draw(st.integers(1, 40), label="H"), data.draw(st.integers(1, 40), label="I")
     r = data.draw(st.one_of(st.integers(1, 16), st.sampled_from([24, 40, 64, 100])), label="rank")
     dtype = data.draw(st.sampled_from(dtypes(device)), label="dtype")
     ranks = data.draw(st.none() | st.lists(st.integers(0, r), min_size=L, max_size=L), label="lora_ranks")
+    if schedule in ml.layer.IN_GEMM and not ml.layer.fused_fits(L + 1, r):
+        r = 16 // (L + 1)                          # the in-GEMM schedules take L*r <= MAX_FUSED_COLUMNS
+        ranks = None if ranks is None else [min(v, r) for v in ranks]
+    views = data.draw(st.sampled_from([None, *STRIDED_KINDS]), label="views")
+    event(f"views {views}")
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
     x = torch.randn(M, H, generator=gen).to(dtype)
     w13 = (torch.randn(E, 2 * I, H, generator=gen) / H ** 0.5).to(dtype)
     w2 = (torch.randn(E, H, I, generator=gen) / I ** 0.5).to(dtype)
-    a13, b13, sa13, sb13 = lora_weights(gen, L, E, r, H, I, 2, dtype, ranks)
-    a2, b2, sa2, sb2 = lora_weights(gen, L, E, r, I, H, 1, dtype, ranks)
+    slot_ranks = None if ranks is None else ranks + [0]          # one more slot, used by no token
+    a13, b13, sa13, sb13 = lora_weights(gen, L + 1, E, r, H, I, 2, dtype, slot_ranks)
+    a2, b2, sa2, sb2 = lora_weights(gen, L + 1, E, r, I, H, 1, dtype, slot_ranks)
+    for w in a13 + b13 + a2 + b2:
+        w[L] = float("nan")
     x, topk_ids, topk_weights, token_lora, w13, w2, a13, b13, sa13, sb13, a2, b2, sa2, sb2 = to(device, [
         x, topk_ids, topk_weights, token_lora, w13, w2, a13, b13, sa13, sb13, a2, b2, sa2, sb2])
     ref = ml.moe_layer_reference(x, topk_ids, topk_weights, token_lora, w13, w2, sa13, sb13, sa2, sb2)
-    kw = dict(lora_ranks=None if ranks is None else torch.tensor(ranks))
-    schedules = ["sequential", "auto"] + (["fused"] if ml.layer.fused_fits(L, r) else []) + (
-        ["dual_stream"] if device == "cuda" else [])
-    for schedule in schedules:
-        for join in (("fold", "vllm") if schedule == "sequential" else ("fold",)):
-            y = ml.moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, a13, b13, a2, b2,
-                                  schedule=schedule, join=join, **kw)
-            close(y, ref, dtype, f"{schedule}/{join}")
-            plan = ml.plan_layer(topk_ids, token_lora, E, L, r, schedule=schedule)
-            assert torch.equal(ml.moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, a13, b13, a2, b2,
-                                                 schedule=schedule, join=join, plan=plan, **kw), y)
+    inputs = dict(x=x, topk_ids=topk_ids, topk_weights=topk_weights, token_lora=token_lora, w13=w13, w2=w2,
+                  w13_lora_a=a13, w13_lora_b=b13, w2_lora_a=a2, w2_lora_b=b2)
+    lora_ranks = None if ranks is None else torch.tensor(slot_ranks, device=device)
+    if views is not None:
+        inputs = strided_inputs(inputs, views)
+        lora_ranks = None if lora_ranks is None else strided(lora_ranks, views)
+    extra = {}
+    if schedule in ("in_k", "auto"):
+        pack = ml.pack_in_k(inputs["w13"], inputs["w2"], inputs["w13_lora_b"], inputs["w2_lora_b"])
+        extra = dict(in_k=pack, w13=pack.w13, w2=pack.w2)
+    call = inputs | extra | dict(schedule=schedule, join=join, lora_ranks=lora_ranks)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)          # dual_stream on the CPU runs sequentially
+        y = ml.moe_lora_layer(**call)
+        close(y, ref, dtype, f"{schedule}/{join}, views {views}")
+        plan = ml.plan_layer(inputs["topk_ids"], inputs["token_lora"], E, L + 1, r, schedule=schedule)
+        assert torch.equal(ml.moe_lora_layer(**call, plan=plan), y)
 
 
 # ---- invalid inputs ------------------------------------------------------------------------------
