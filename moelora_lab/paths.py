@@ -23,7 +23,7 @@ from .kernels.one_shot import one_shot_kernel
 from .kernels.small_batch import small_batch_kernel
 from .kernels.two_kernel import expand_kernel, shrink_kernel
 from .reference import moe_lora_reference
-from .validate import check_int
+from .validate import check_bool, check_int
 
 
 class LoRACall(NamedTuple):
@@ -217,8 +217,7 @@ def launch_shrink(x, lora_a, inter, blocks: BlockList, cfg: KernelConfig, *, top
     A's rank dim; ``lora_ranks`` [L] int32 caps each slot's rows). The sharded layers run it apart
     from the expand, with a collective between the two. ``one_read=True`` gives both slices of a
     launch to one program, which reads its x rows once instead of once per slice (same results)."""
-    if not isinstance(one_read, bool):
-        raise TypeError(f"one_read: expected True or False, got {one_read!r}")
+    check_bool("one_read", one_read)
     R, K = lora_a[0].shape[2], lora_a[0].shape[3]
     block_r, rank_tiles = cfg.rank_tiling(R)
     ranks = blocks.block_lora if lora_ranks is None else lora_ranks

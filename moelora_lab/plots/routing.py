@@ -16,7 +16,7 @@ from matplotlib.axes import Axes
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-from ..validate import FLOAT_DTYPES, INDEX_DTYPES, check_int, check_range, check_tensor
+from ..validate import FLOAT_DTYPES, INDEX_DTYPES, check_bool, check_int, check_range, check_tensor
 from ..routing import Alignment
 from .routing_data import _check_alignment, _check_list, _last_naive_tokens, find_crossover, padding_stats
 
@@ -212,8 +212,7 @@ def draw_assignment_cost(ax, costs: Mapping, *, legend: bool = True) -> None:
     (e.g. one ``fig.legend`` for several panels).
     """
     _check_ax(ax)
-    if not isinstance(legend, bool):
-        raise TypeError(f"legend: expected True or False, got {legend!r}")
+    check_bool("legend", legend)
     if not isinstance(costs, Mapping):
         raise TypeError(f"costs: expected the dict returned by assignment_costs, got {type(costs).__name__}")
     for key in ("rows", "num_experts", "top_k", "num_loras", "block_size"):
