@@ -8,19 +8,17 @@ from ._backend import INTERPRET, describe, kernel_device
 from .config import PRESETS, LoRAShape, MoEShape, Problem, make_problem
 from .reference import moe_layer_reference, moe_layer_reference_loop, moe_lora_reference, moe_lora_reference_loop
 from .blocks import BlockList, LayerPlan
-from .routing import Alignment, align_block_size, block_list, naive_block_list, route, use_naive_assignment
-from .dispatch import CONFIGS, KernelConfig
-from .paths import PATHS
-from .ops import moe_lora, pack_lora_b
-from .align import block_list_device
-from .layer import moe_lora_layer, plan_layer
-from .layer_in_k import pack_in_k
+from .routing import (Alignment, align_block_size, block_list, block_list_device, naive_block_list, route,
+                      use_naive_assignment)
+from .op import CONFIGS, PATHS, KernelConfig, moe_lora, pack_lora_b
+from .layer import SCHEDULES, moe_lora_layer, pack_in_k, plan_layer
 
 __all__ = [
     "INTERPRET", "describe", "kernel_device",
     "PRESETS", "LoRAShape", "MoEShape", "Problem", "make_problem",
     "moe_layer_reference", "moe_layer_reference_loop", "moe_lora_reference", "moe_lora_reference_loop",
     "Alignment", "BlockList", "align_block_size", "block_list", "block_list_device", "naive_block_list", "route",
-    "use_naive_assignment", "CONFIGS", "KernelConfig", "PATHS", "moe_lora", "pack_lora_b", "LayerPlan", "moe_lora_layer", "pack_in_k", "plan_layer",
+    "use_naive_assignment", "CONFIGS", "KernelConfig", "PATHS", "moe_lora", "pack_lora_b", "LayerPlan", "SCHEDULES",
+    "moe_lora_layer", "pack_in_k", "plan_layer",
 ]
 __version__ = "0.1.0"

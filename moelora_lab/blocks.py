@@ -120,8 +120,11 @@ class LayerPlan:
     """
 
     base_blocks: BlockList           # pairs grouped by expert, for the base GEMMs
-    lora_blocks: BlockList | None    # pairs grouped by (adapter, expert), for the LoRA ops
-    lora_path: str | None            # a Triton LoRA path, 'in_gemm' (fused) or None (no LoRA)
+    lora_blocks: BlockList | None    # pairs grouped by (adapter, expert), for the LoRA ops (None: not needed)
+    lora_path: str | None            # the op's Triton path the LoRA launches take (None: no LoRA launch)
     num_loras: int | None            # None: a plan for the layer without LoRA
     rank: int | None
     routing: RoutingStamp            # the routing tensors, E and L it was made for
+    tiles: dict                      # the base grouped GEMMs' tiles (``moe.gemm_tiles``)
+    schedule: str                    # the schedule it was made for (a row of ``layer.table``)
+    lora_config: object = None       # KernelConfig of the LoRA blocks' launches (None: no LoRA blocks)

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .validate import FLOAT_DTYPES, check_bool, check_choice, check_int
-from .ops import pack_lora_b
-from .routing import route
+from .op.face import pack_lora_b
+from .routing.host import route
 
 
 @dataclass(frozen=True)
@@ -320,7 +320,7 @@ def layer_lora_weights(shape: MoEShape, num_loras: int, rank: int, generator: to
                        dtype: torch.dtype = torch.bfloat16, device=None) -> dict:
     """Random LoRA weights of one layer as :func:`moelora_lab.moe_lora_layer` takes them: ``w13_lora_a``,
     ``w13_lora_b``, ``w2_lora_a``, ``w2_lora_b`` (:func:`random_lora_weights`, w13 drawn first), B packed
-    N-fastest (:func:`moelora_lab.ops.pack_lora_b`), as the layer benchmark uses them."""
+    N-fastest (:func:`moelora_lab.op.face.pack_lora_b`), as the layer benchmark uses them."""
     out = {}
     for op in ("w13", "w2"):
         a, b = random_lora_weights(shape, op, num_loras, rank, generator, dtype, device)

@@ -43,10 +43,10 @@ class StaleDataError(RuntimeError):
 
 def _rule_table() -> list:
     """What every tile and dispatch rule returns over a fixed grid of shapes (the input of the hash)."""
-    from .dispatch import CONFIGS, choose_path, choose_side_path, gpu_config
-    from .layer_plan import gpu_schedule
-    from .moe import MAX_FUSED_COLUMNS, gpu_gemm_tiles
-    from .streams import SIDE_PRIORITIES
+    from .op.dispatch import CONFIGS, choose_path, choose_side_path, gpu_config
+    from .layer.plan import gpu_schedule
+    from .base_moe import MAX_FUSED_COLUMNS, gpu_gemm_tiles
+    from .layer.streams import SIDE_PRIORITIES
 
     pairs = [1, 2, 8, 12, 16, 17, 24, 32, 64, 128, 192, 256, 512, 1024, 4096, 8192, 65536]
     ranks = [None, 8, 16, 32, 64, 128, 192, 256, 512]

@@ -1,8 +1,12 @@
-"""The README's measured section, written from the committed data (never typed by hand).
+"""The README's measured section, written from the committed data, and its schedule table, written from
+``layer.SCHEDULES`` (never typed by hand).
 
-``python -m moelora_lab.summary`` prints it; ``tests/test_summary.py`` keeps the README's copy (between
-``<!-- measured -->`` markers) equal to :func:`measured_markdown`, so a number there cannot drift
-from the data.
+``python -m moelora_lab.summary`` prints the measured section; ``tests/test_summary.py`` keeps the README's
+copy (between ``<!-- measured -->`` markers) equal to :func:`measured_markdown`, so a number there cannot
+drift from the data; ``tests/test_schedule_table.py`` keeps its schedule table (between
+``<!-- schedules-table -->`` markers) equal to :func:`schedules_markdown`. The layer benchmark's variant
+names (``layer.csv``'s ``variant`` column) are built here from the rows too, for the benchmark, the plots
+and this summary alike.
 
 Shape legend: M tokens, E experts, k top-k, L adapters, r rank, K in, N out.
 """
@@ -11,7 +15,69 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import results
-from .align import RECOUNT_MAX_PAIRS, SORT_MAX_PAIRS
+from .routing.device import RECOUNT_MAX_PAIRS, SORT_MAX_PAIRS
+from .layer.table import AUTO, AUTO_CPU, AUTO_GPU, AUTO_LARGE, SCHEDULES
+
+# ---------------------------------------------------------------------------------------------
+# The layer benchmark's variants (``variant`` in layer.csv), from the rows of ``layer.SCHEDULES``
+
+# the rows that run the op's LoRA kernels, by the streams they run on (1, 2)
+KERNEL_ROWS = {row.streams: name for name, row in SCHEDULES.items() if row.lora_paths is None}
+# rows timed with vLLM's join too (``<name>_vllm_join``), in table order
+VLLM_JOIN_ROWS = tuple(name for name, row in SCHEDULES.items() if "vllm" in row.joins)
+# two-stream rows of the op's kernels, timed from a plan made for their side stream too (``<name>_side``)
+SIDE_PLAN_ROWS = tuple(name for name, row in SCHEDULES.items() if row.streams > 1 and row.lora_paths is None)
+# the measured section's words for a row whose LoRA is in the GEMMs, by whether they carry all of it
+IN_GEMM_WORDS = {True: "the LoRA inside the base GEMMs", False: "the shrink once per pair, the expand inside the GEMMs"}
+# the rows whose LoRA is in the GEMMs (those with an L*r limit), in table order, with their words
+IN_GEMM = tuple((name, IN_GEMM_WORDS[row.gemm_lora_tiles]) for name, row in SCHEDULES.items()
+                if row.max_columns is not None)
+
+
+def vllm_join_variant(schedule: str) -> str:
+    """The layer benchmark's variant that runs ``schedule`` with vLLM's join."""
+    return f"{schedule}_vllm_join"
+
+
+def side_plan_variant(schedule: str) -> str:
+    """The layer benchmark's variant that runs two-stream ``schedule`` from a plan made for its side stream."""
+    return f"{schedule}_side"
+
+
+# ---------------------------------------------------------------------------------------------
+# The README's schedule table
+
+def _honours(row) -> str:
+    joins = ", ".join(f"`{j}`" for j in row.joins)
+    if row.lora_paths is None:
+        paths = "any"
+    elif row.lora_paths:
+        paths = ", ".join(f"`{p}`" for p in row.lora_paths) + f" only, the rest of its LoRA inside {row.lora_inside}"
+    else:
+        paths = f"none (its LoRA is inside {row.lora_inside})"
+    return f"join: {joins}; lora_path: {paths}"
+
+
+def _limits(row) -> str:
+    limits = [f"L*r <= {row.max_columns} (padded to a power of two, at least 16)"] if row.max_columns else []
+    limits += ["the weights packed by `pack_in_k` (`in_k=`)"] if row.needs_pack else []
+    return "; ".join(limits) or "none"
+
+
+def schedules_markdown() -> str:
+    """The README's table of the layer's schedules, one line per row of ``layer.SCHEDULES`` and one for
+    ``auto`` (a test keeps the README's copy equal to it)."""
+    lines = ["| schedule | status | streams | what it does | honours join / lora_path | limits |",
+             "|---|---|---|---|---|---|"]
+    for name, row in SCHEDULES.items():
+        streams = ("1" if row.one_stream else f"{row.streams} (the CPU runs `{row.cpu_runs}`)" if row.cpu_runs
+                   else f"{row.streams} (one on the CPU)")
+        lines.append(f"| `{name}` | {row.status} | {streams} | {row.summary} | {_honours(row)} | {_limits(row)} |")
+    lines.append(f"| `{AUTO}` | the default | that of its pick | `{AUTO_CPU}` on the CPU; on a GPU `{AUTO_GPU}`, "
+                 f"or `{AUTO_LARGE}` where `layer.gpu_schedule` says it pays and the call brings a pack "
+                 f"| picks only a schedule that honours the call | none |")
+    return "\n".join(lines)
+
 
 PRESET = "qwen3-30b-a3b"
 TOKENS = (1, 8, 32, 128, 512, 2048, 8192)
@@ -101,7 +167,15 @@ def _speedups(ratios, against: str) -> str:
     return text
 
 
-RUN_NAMES = {"dual_stream": "two streams", "sequential": "one stream", "in_k": "both LoRA ops in K (`in_k`)"}
+def _run_name(name: str, row) -> str:
+    """How the measured section names a schedule ``auto`` ran: the op's LoRA kernels by their streams,
+    any other row by its plot label and name."""
+    if row.lora_paths is None:
+        return "one stream" if row.one_stream else "two streams"
+    return f"{(row.style or {}).get('label', name)} (`{name}`)"
+
+
+RUN_NAMES = {name: _run_name(name, row) for name, row in SCHEDULES.items()}
 
 
 def _auto_runs(t, ranks, ms) -> str:
@@ -139,22 +213,23 @@ def _layer_section(layer) -> list[str]:
         out.append(line(f"LoRA r={rank}, max(byte, FLOP floor) / time",
                         lambda m, r=rank: f"{t[r, m, 'auto']['roofline_us'] / t[r, m, 'auto']['us_median']:.2f}"))
     for rank in ranks:
-        if any((rank, m, "in_k") in t for m in ms):
-            out.append(line(f"LoRA r={rank}, `schedule=\"in_k\"` / no LoRA", ratio(rank, "in_k", "no_lora")))
+        if any((rank, m, AUTO_LARGE) in t for m in ms):
+            out.append(line(f"LoRA r={rank}, `schedule=\"{AUTO_LARGE}\"` / no LoRA", ratio(rank, AUTO_LARGE, "no_lora")))
     out.append(line("our base GEMMs / `torch._grouped_mm`", ratio(16, "base_gemms", "grouped_mm")))
     out.append(line("routing plan [µs]", lambda m: f"{t[16, m, 'plan']['us_median']:.1f}"))
     if all((16, m, "auto_plan") in t for m in ms):
         out.append(line("LoRA r=16, layer + plan (`auto`) [µs]", lambda m: f"{t[16, m, 'auto_plan']['us_median']:.1f}"))
         out.append(line("LoRA r=16, layer + plan / no LoRA + plan", ratio(16, "auto_plan", "no_lora_plan")))
-    fused, epilogue = ([t[16, m, v]["us_median"] / t[16, m, "no_lora"]["us_median"] for m in ms if (16, m, v) in t]
-                       for v in ("fused", "epilogue"))
-    auto = [t[16, m, "auto"]["us_median"] / t[16, m, "no_lora"]["us_median"] for m in ms]
-    save = [1 - t[16, m, "sequential"]["us_median"] / t[16, m, "sequential_vllm_join"]["us_median"] for m in ms]
+    in_gemm = [(v, words, [t[16, m, v]["us_median"] / t[16, m, "no_lora"]["us_median"] for m in ms if (16, m, v) in t])
+               for v, words in IN_GEMM]
+    (first, words, first_x), rest = in_gemm[0], in_gemm[1:]
+    auto = [t[16, m, AUTO]["us_median"] / t[16, m, "no_lora"]["us_median"] for m in ms]
+    one = KERNEL_ROWS[1]
+    save = [1 - t[16, m, one]["us_median"] / t[16, m, vllm_join_variant(one)]["us_median"] for m in ms]
     out += ["", f"`auto` (given the weights packed by `pack_in_k`) ran {_auto_runs(t, ranks, ms)}.",
-            f"`schedule=\"fused\"` (the LoRA inside the base GEMMs) costs {_span(fused, '{:.2f}', '×')} the no-LoRA "
+            f"`schedule=\"{first}\"` ({words}) costs {_span(first_x, '{:.2f}', '×')} the no-LoRA "
             f"layer at r = 16, against {_span(auto, '{:.2f}', '×')} for `auto`"
-            + (f"; `schedule=\"epilogue\"` (the shrink once per pair, the expand inside the GEMMs) "
-               f"{_span(epilogue, '{:.2f}', '×')}." if epilogue else "."),
+            + "".join(f"; `schedule=\"{v}\"` ({w}) {_span(x, '{:.2f}', '×')}" for v, w, x in rest if x) + ".",
             f"On one stream our folded join takes {_span(save, '{:.0%}')} off the layer with vLLM's "
             "zero-fill-and-add join (r = 16, every M)."]
     return out

@@ -18,7 +18,7 @@ import triton  # noqa: E402  (after the switch: moelora_lab is imported below, k
 import moelora_lab  # noqa: E402,F401
 from moelora_lab.kernels import (align, base_moe, combine, in_join, in_k, in_k_overlap, one_shot,  # noqa: E402
                                  small_batch, two_kernel)
-from moelora_lab.dispatch import one_shot_build_rule  # noqa: E402
+from moelora_lab.op.dispatch import one_shot_build_rule  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from moelora_lab import align
-from moelora_lab.align import block_list_device
+from moelora_lab.routing import device as align
+from moelora_lab.routing.device import block_list_device
 from moelora_lab.routing import block_list
 from utils import STRIDED_KINDS, strided
 

@@ -66,7 +66,7 @@ def test_kernels_and_align_pipeline(cpu_bench, tmp_path):
 def test_layer_side_path_variant(cpu_bench, tmp_path):
     """``dual_stream_side`` runs two streams from a plan made for them: at 40 pairs and r 8 the side
     stream's rule takes two kernels where the shared one-stream plan runs one-shot."""
-    with pytest.warns(RuntimeWarning, match="on the CPU the layer runs sequentially"):
+    with pytest.warns(RuntimeWarning, match="on the CPU the layer runs 'sequential'"):
         assert cli.main(["layer", "--presets", "tiny", "--tokens", "20", "--ranks", "8", "--dtype", "float32",
                          "--variants", "no_lora", "dual_stream", "dual_stream_side", "--trace-tokens", "0",
                          "--name", "side", "--out", str(tmp_path)]) == 0
@@ -77,7 +77,7 @@ def test_layer_side_path_variant(cpu_bench, tmp_path):
 
 
 def test_layer_pipeline(cpu_bench, tmp_path):
-    with pytest.warns(RuntimeWarning, match="on the CPU the layer runs sequentially"):   # the dual_stream rows
+    with pytest.warns(RuntimeWarning, match="on the CPU the layer runs 'sequential'"):   # the dual_stream rows
         assert cli.main(["layer", "--presets", "tiny", "--tokens", "3", "--ranks", "8", "--dtype", "float32",
                            "--trace-tokens", "3", "--trace-ranks", "8", "--trace-events", "--out", str(tmp_path)]) == 0
     rows = read_csv(tmp_path / "layer.csv")
@@ -140,7 +140,7 @@ def test_lora_tile_walk_pipeline(cpu_bench, tmp_path, monkeypatch):
 
 
 def test_lora_tile_walk_keeps_the_fastest(monkeypatch):
-    from moelora_lab.dispatch import KernelConfig
+    from moelora_lab.op.dispatch import KernelConfig
 
     cost = {64: 5.0, 128: 3.0, 256: None}             # None: the tile failed (never chosen)
 
@@ -189,7 +189,7 @@ def test_expand_refuses_a_wrong_build(cpu_bench, tmp_path, monkeypatch):
 def test_in_k_pipeline(cpu_bench, tmp_path):
     """bench in_k: w2's LoRA in K checked against two streams, then timed with the others of its case."""
     from moelora_lab.bench import in_k_sweep
-    with pytest.warns(RuntimeWarning, match="on the CPU the layer runs sequentially"):   # the dual_stream rows
+    with pytest.warns(RuntimeWarning, match="on the CPU the layer runs 'sequential'"):   # the dual_stream rows
         assert cli.main(["in_k", "--presets", "tiny", "--tokens", "3", "--ranks", "4", "--dtype", "float32",
                            "--out", str(tmp_path)]) == 0
     rows = read_csv(tmp_path / "layer_in_k.csv")

@@ -134,7 +134,7 @@ def test_make_problem_type_errors():
 
 def test_layer_lora_weights_shapes_packing_and_device():
     from moelora_lab.config import layer_lora_weights, random_lora_weights
-    from moelora_lab.ops import pack_lora_b
+    from moelora_lab.op.face import pack_lora_b
     shape = MoEShape.from_name("tiny")
     H, I, E = shape.hidden, shape.intermediate, shape.num_experts
     w = layer_lora_weights(shape, 3, 4, torch.Generator().manual_seed(0), torch.float32)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import moelora_lab as ml
-from moelora_lab.dispatch import gpu_config
-from moelora_lab.ops import moe_lora
+from moelora_lab.op.dispatch import gpu_config
+from moelora_lab.op.face import moe_lora
 from utils import assert_close, lora_case, poisoned
 
 PAIRS = (1, 16, 128, 1024, 4096, 16384, 65536)
@@ -49,7 +49,7 @@ def test_the_rule_returns_the_tiles_it_is_known_for():
 def test_decode_streams_k_in_long_steps_at_narrow_ranks_only():
     """At most ``DECODE_PAIRS`` pairs and a 16-wide rank tile: ``DECODE_BLOCK_K`` for one-shot and two kernels;
     one pair more, a wider rank tile or the small-batch kernel keep the tiles they had."""
-    from moelora_lab.dispatch import DECODE_BLOCK_K, DECODE_PAIRS
+    from moelora_lab.op.dispatch import DECODE_BLOCK_K, DECODE_PAIRS
 
     for n_out, slices in OUTPUTS:
         for path in ("one_shot", "two_kernel"):
@@ -85,7 +85,7 @@ def test_every_rule_tile_against_the_reference(device, path):
 def test_the_side_stream_rule_takes_two_kernels_where_the_layer_measured_them_faster():
     """``choose_side_path``: two kernels at 17..192 pairs below r 64 and 17..512 from r 64 (the measured
     boundaries), else exactly ``choose_path``."""
-    from moelora_lab.dispatch import choose_path, choose_side_path
+    from moelora_lab.op.dispatch import choose_path, choose_side_path
 
     side = {r: [p for p in range(1, 4097) if choose_side_path(p, 128, 4, r, 768) == "two_kernel"] for r in (8, 16, 64)}
     assert side[16] == side[8] == list(range(17, 193))
@@ -100,7 +100,7 @@ def test_the_side_stream_rule_takes_two_kernels_where_the_layer_measured_them_fa
 def test_one_shot_beside_the_base_gemms_keeps_few_programs():
     """On the side stream one-shot splits N only until an op has ``SIDE_PROGRAMS`` programs, up to
     ``SIDE_FEW_PAIRS`` pairs; past them, and for every other path, the side stream gets the op's tiles."""
-    from moelora_lab.dispatch import MAX_EXPAND_COLUMNS, SIDE_FEW_PAIRS, SIDE_PROGRAMS
+    from moelora_lab.op.dispatch import MAX_EXPAND_COLUMNS, SIDE_FEW_PAIRS, SIDE_PROGRAMS
 
     def programs(cfg, pairs, slices):
         return (pairs // cfg.block_m + pairs) * slices * cfg.n_chunks      # the rule's count of blocks

@@ -19,8 +19,8 @@ import torch
 
 import moelora_lab as ml
 from moelora_lab._backend import INTERPRET
-from moelora_lab.layer_plan import SCHEDULE_JOINS, SCHEDULES
-from moelora_lab.paths import PATH_CHOICES
+from moelora_lab.layer import AUTO, choices, get_schedule
+from moelora_lab.op.paths import PATH_CHOICES
 from utils import STRIDED_KINDS, assert_close, poisoned_allocations, strided_inputs
 
 SHAPE = ml.MoEShape(40, 24, 5, 2, "guarantees")       # H, I not multiples of any block; E = 5
@@ -31,7 +31,7 @@ LORA_KEYS = ("w13_lora_a", "w13_lora_b", "w2_lora_a", "w2_lora_b")
 
 def runs():
     """(schedule, join) of every schedule and every join it runs."""
-    return [(s, j) for s in SCHEDULES for j in SCHEDULE_JOINS.get(s, ("fold",))]
+    return [(s, j) for s in choices() for j in (("fold",) if s == AUTO else get_schedule(s).joins)]
 
 
 def dtypes(device):

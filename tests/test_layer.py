@@ -65,7 +65,7 @@ def test_epilogue_layer_with_actual_adapter_ranks_and_its_plan(device):
     p = problem(device, rank=16, seed=13, adapter_ranks=(3, 16, 5), no_adapter_fraction=0.3)
     ranks = torch.tensor(p.adapter_ranks, device=device)
     plan = plan_layer(p.topk_ids, p.token_lora, SHAPE.num_experts, 3, 16, schedule="epilogue")
-    assert plan.lora_path == "epilogue" and plan.lora_blocks is not None
+    assert plan.schedule == "epilogue" and plan.lora_path == "two_kernel" and plan.lora_blocks is not None
     out = moe_lora_layer(**p.layer_inputs(), lora_ranks=ranks, schedule="epilogue", plan=plan)
     close(out, ml.moe_layer_reference(**p.layer_inputs()), torch.float32)
     with pytest.raises(TypeError, match="plan: made for another schedule"):
@@ -73,7 +73,7 @@ def test_epilogue_layer_with_actual_adapter_ranks_and_its_plan(device):
     with pytest.raises(ValueError, match="join: 'vllm' has no meaning with schedule='epilogue'"):
         moe_lora_layer(**p.layer_inputs(), schedule="epilogue", join="vllm")
     wide = problem(device, rank=48, seed=11)
-    with pytest.raises(ValueError, match="schedule='epilogue': the in-GEMM LoRA needs L\\*r <= 128"):
+    with pytest.raises(ValueError, match="schedule='epilogue': its LoRA needs L\\*r <= 128"):
         moe_lora_layer(**wide.layer_inputs(), schedule="epilogue")
 
 
@@ -85,18 +85,20 @@ def test_auto_schedule_and_fused_limits(device):
     with pytest.raises(ValueError, match="num_experts"):
         gpu_schedule(8, 0)
     for pairs in (1, 512 * E):
-        for fits in (False, True):
-            assert resolve_schedule("auto", dev, num_pairs=pairs, num_experts=E, fits=fits) == (
+        for L, r in ((3, 8), (3, 48)):                  # the experiments' L*r limit does not bind auto
+            assert resolve_schedule("auto", dev, num_pairs=pairs, num_experts=E, num_loras=L, rank=r) == (
                 "dual_stream" if device == "cuda" else "sequential")
-    assert resolve_schedule("fused", dev, fits=True) == "fused"
+    assert resolve_schedule("fused", dev, num_loras=3, rank=8) == "fused"
+    with pytest.raises(ValueError, match="schedule='fused': its LoRA needs L\\*r <= 128"):
+        resolve_schedule("fused", dev, num_loras=3, rank=48)
     p = problem(device, rank=48, seed=11)              # 3 adapters x rank 48: 256 stacked columns
-    with pytest.raises(ValueError, match="schedule='fused': the in-GEMM LoRA needs L\\*r <= 128"):
+    with pytest.raises(ValueError, match="schedule='fused': its LoRA needs L\\*r <= 128"):
         moe_lora_layer(**p.layer_inputs(), schedule="fused")
     q = problem(device, rank=8, seed=11)
     with pytest.raises(ValueError, match="join: 'vllm' has no meaning with schedule='fused'"):
         moe_lora_layer(**q.layer_inputs(), schedule="fused", join="vllm")
     plan = plan_layer(p.topk_ids, p.token_lora, E, 3, 48)
-    assert plan.lora_path != "in_gemm" and plan.lora_blocks is not None
+    assert plan.schedule != "fused" and plan.lora_blocks is not None
     close(moe_lora_layer(**p.layer_inputs(), plan=plan), ml.moe_layer_reference(**p.layer_inputs()), torch.float32)
 
 
@@ -152,7 +154,7 @@ def test_plan_picks_the_lora_path_by_the_real_ranks(device):
 def test_a_plan_for_two_streams_picks_the_path_by_the_side_stream_rule(device):
     """40 pairs at r 8: one-shot on one stream (``choose_path``), two kernels beside the base GEMMs
     (``choose_side_path``); ``auto`` plans for two streams where it runs them (on a GPU)."""
-    from moelora_lab.dispatch import choose_path, choose_side_path
+    from moelora_lab.op.dispatch import choose_path, choose_side_path
 
     p = problem(device, M=20, seed=5)
     E, I, P = SHAPE.num_experts, SHAPE.intermediate, p.topk_ids.numel()
@@ -172,16 +174,19 @@ def test_two_streams_ask_for_the_side_streams_tiles(device, monkeypatch):
     """With two streams the layer's LoRA launches ask the tile rule for the side stream's tiles (``side_stream``:
     fewer one-shot programs beside the base GEMMs) for w13 (I columns, 2 slices) and w2 (H, 1), on either path;
     on one stream they ask for the op's."""
-    import moelora_lab.layer as layer_module
-    import moelora_lab.paths as paths_module
+    import moelora_lab.layer.face as face
+    import moelora_lab.layer.two_kernel as two_kernel
+    import moelora_lab.op.paths as paths_module
 
     asked = []
-    rule, streams = paths_module.choose_config, layer_module.Streams
+    rule, streams = paths_module.choose_config, two_kernel.Streams
     monkeypatch.setattr(paths_module, "choose_config",
                         lambda *a, **kw: asked.append((a[0], a[3], a[4], kw)) or rule(*a, **kw))
-    # the schedule as asked, its launches on one stream (the CPU has no streams; on a GPU the same kernels)
-    monkeypatch.setattr(layer_module, "resolve_schedule", lambda schedule, device, **kw: schedule)
-    monkeypatch.setattr(layer_module, "Streams", lambda dual, *a, **kw: streams(False, *a, **kw))
+    # the schedule as asked, as if streams ran, its launches on one stream (the CPU has no streams; on a GPU
+    # the same kernels)
+    monkeypatch.setattr(face, "resolve_schedule", lambda schedule, device, **kw: schedule)
+    monkeypatch.setattr(face, "_streams_run", lambda device: True)
+    monkeypatch.setattr(two_kernel, "Streams", lambda dual, *a, **kw: streams(False, *a, **kw))
     p = problem(device, seed=5)
     ref = ml.moe_layer_reference(**p.layer_inputs())
     P, H, I = p.topk_ids.numel(), SHAPE.hidden, SHAPE.intermediate
@@ -206,7 +211,7 @@ def test_plan_is_reused_and_validated(device):
     with pytest.raises(ValueError, match="plan: made for a layer without LoRA, but this call is with 3 adapters"):
         moe_lora_layer(**p.layer_inputs(), plan=base_plan, schedule="sequential")
     fused_plan = plan_layer(p.topk_ids, p.token_lora, SHAPE.num_experts, 3, 8, schedule="fused")
-    assert fused_plan.lora_blocks is None and fused_plan.lora_path == "in_gemm"
+    assert fused_plan.lora_blocks is None and fused_plan.lora_path is None and fused_plan.schedule == "fused"
     with pytest.raises(TypeError, match="plan: made for another schedule"):
         moe_lora_layer(**p.layer_inputs(), plan=fused_plan, schedule="sequential")
     assert torch.equal(moe_lora_layer(**p.layer_inputs(), plan=fused_plan, schedule="fused"),
@@ -216,7 +221,7 @@ def test_plan_is_reused_and_validated(device):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")
 def test_cpu_dual_stream_says_it_runs_sequentially():
     p = problem("cpu", seed=6)
-    with pytest.warns(RuntimeWarning, match="on the CPU the layer runs sequentially"):
+    with pytest.warns(RuntimeWarning, match="on the CPU the layer runs 'sequential'"):
         moe_lora_layer(**p.layer_inputs(), schedule="dual_stream")
     with pytest.raises(TypeError, match="bfloat16 is mis-computed by the Triton interpreter"):
         q = problem("cpu", torch.bfloat16, seed=6)

@@ -4,7 +4,7 @@ import torch
 
 import moelora_lab as ml
 from moelora_lab.layer import moe_lora_layer, plan_layer
-from moelora_lab.layer_in_join import act_lora, join_block, sum_lora
+from moelora_lab.experiments.in_join import act_lora, join_block, sum_lora
 from utils import assert_close, check_layer_schedule, poisoned, shrink_spec
 
 SHAPE = ml.MoEShape(48, 40, 6, 2, "layer-test")      # H = 48, I = 40: neither a multiple of the join's tiles
@@ -142,7 +142,7 @@ def test_in_join_under_cuda_graphs_equals_eager_and_is_race_free():
 
 def test_in_join_with_many_column_tiles(device, monkeypatch):
     """Small tiles: the activation runs 3 column tiles of 16 and the sum reads their T2 parts 2 at a time."""
-    import moelora_lab.layer_in_join as lij
+    import moelora_lab.experiments.in_join as lij
     monkeypatch.setattr(lij, "TILE_ELEMENTS", 32)
     assert lij.join_block(SHAPE.intermediate, 8) == 16
     p = problem(device, rank=8, seed=31, no_adapter_fraction=0.3)

@@ -5,10 +5,11 @@ import torch
 
 import moelora_lab as ml
 from moelora_lab.layer import IN_K_MIN_PAIRS_PER_EXPERT, plan_layer
-from moelora_lab.layer_in_k import (_act_and_shrink, _shrink_tail, in_k_layer, pack_in_k, pack_w13_in_k, pack_w2_in_k,
-                                    w2_in_k_layer)
-from moelora_lab.streams import Streams
-from moelora_lab.moe import gemm_tiles, moe_gemm, tail_start
+from moelora_lab.experiments.in_k import in_k_overlap_layer, w2_in_k_layer
+from moelora_lab.layer.in_k import _shrink_tail, act_and_shrink as _act_and_shrink, in_k_layer
+from moelora_lab.layer.in_k_pack import pack_in_k, pack_w13_in_k, pack_w2_in_k
+from moelora_lab.layer.streams import Streams
+from moelora_lab.base_moe import gemm_tiles, moe_gemm, tail_start
 from utils import assert_close, poisoned, shrink_spec
 
 SHAPE = ml.MoEShape(48, 40, 6, 2, "in-k-test")        # I = 40: not a multiple of the blocks
@@ -26,12 +27,12 @@ def run(p, **kw):
     return w2_in_k_layer(**args, w2_ext=w2_ext, **kw)
 
 
-def run_both(p, **kw):
+def run_both(p, overlap=False, **kw):
     inputs = p.layer_inputs()
     exts = dict(w13_ext=pack_w13_in_k(inputs["w13"], inputs["w13_lora_b"]),
                 w2_ext=pack_w2_in_k(inputs["w2"], inputs["w2_lora_b"]))
     args = {n: inputs[n] for n in ("x", "topk_ids", "topk_weights", "token_lora", "w13_lora_a", "w2_lora_a")}
-    return in_k_layer(**args, **exts, **kw)
+    return (in_k_overlap_layer if overlap else in_k_layer)(**args, **exts, **kw)
 
 
 def dtypes(device):
@@ -64,7 +65,7 @@ def test_shrink_beside_its_gemm_matches_reference(device, rank, M, kw):
 def test_one_launch_runs_every_shrink_program_before_any_gemm_tail(device):
     """The launch's counters after it: every program drew one ticket, every shrink program counted itself
     done; the GEMM's output has every row written (poisoned before)."""
-    from moelora_lab.in_k_launch import gemm_after_shrink
+    from moelora_lab.layer.in_k_launch import gemm_after_shrink
     p = problem(device, M=13, rank=8, seed=2, no_adapter_fraction=0.3)
     inputs = p.layer_inputs()
     E, I, H, k = SHAPE.num_experts, SHAPE.intermediate, SHAPE.hidden, SHAPE.top_k
@@ -97,8 +98,8 @@ def test_actual_adapter_ranks_and_a_plan(device, layer):
     ranks = torch.tensor(p.adapter_ranks, device=device)
     plan = plan_layer(p.topk_ids, p.token_lora, SHAPE.num_experts, 3, 16, schedule="sequential")
     assert_close(layer(p, plan=plan, lora_ranks=ranks), ml.moe_layer_reference(**p.layer_inputs()), torch.float32)
-    fused = plan_layer(p.topk_ids, p.token_lora, SHAPE.num_experts, 3, 16, schedule="epilogue")
-    with pytest.raises(ValueError, match="plan: made for an in-GEMM schedule"):
+    fused = plan_layer(p.topk_ids, p.token_lora, SHAPE.num_experts, 3, 16, schedule="fused")
+    with pytest.raises(ValueError, match="plan: made for schedule='fused', whose GEMMs carry the LoRA"):
         layer(p, plan=fused)
 
 

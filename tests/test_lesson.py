@@ -78,9 +78,9 @@ def test_a_tile_walk_under_older_rules_is_shown_with_that_label(tmp_path, monkey
 
 
 def test_show_code_sees_through_decorators():
-    from moelora_lab.streams import Streams
+    from moelora_lab.layer.streams import Streams
     text = show_code(Streams.side)                           # a @contextlib.contextmanager method
-    assert text.splitlines()[0] == "moelora_lab/streams.py, side:"
+    assert text.splitlines()[0] == "moelora_lab/layer/streams.py, side:"
 
 
 def test_live_claims_report_instead_of_failing(capsys, monkeypatch):

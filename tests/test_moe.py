@@ -3,9 +3,9 @@ import pytest
 import torch
 
 import moelora_lab as ml
-from moelora_lab import moe
-from moelora_lab.align import make_blocks
-from moelora_lab.moe import GemmLoRA, fused_columns, gemm_tiles, moe_gemm
+from moelora_lab import base_moe as moe
+from moelora_lab.routing.device import make_blocks
+from moelora_lab.base_moe import GemmLoRA, fused_columns, gemm_tiles, moe_gemm
 from utils import assert_close, poisoned, shrink_spec
 
 SHAPE = ml.MoEShape(48, 40, 6, 2, "moe-test")     # K and N not multiples of the tiles

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 import moelora_lab as ml
-from moelora_lab.dispatch import KernelConfig
-from moelora_lab.ops import moe_lora
+from moelora_lab.op.dispatch import KernelConfig
+from moelora_lab.op.face import moe_lora
 from moelora_lab.routing import naive_block_list
 from moelora_lab.routing import block_list
 from utils import assert_close, lora_case, poisoned
@@ -145,7 +145,7 @@ def test_shared_alignment_and_naive_blocks(device):
 
 
 def test_auto_uses_the_documented_rule(device):
-    from moelora_lab.dispatch import choose_path
+    from moelora_lab.op.dispatch import choose_path
     e = dict(num_experts=128, num_loras=4)
     # up to r 64 (one rank tile of at most 64): one-shot at every size and width
     for pairs in (1, 8, 64, 512, 4096, 16384, 65536):
@@ -153,7 +153,7 @@ def test_auto_uses_the_documented_rule(device):
             assert choose_path(num_pairs=pairs, rank=16, n_out=n_out, **e) == "one_shot"
             assert choose_path(num_pairs=pairs, rank=64, n_out=n_out, **e) == "one_shot"
     # one rank tile of 128 (the widest tile of the GPU configs): two kernels from 9 to 512 pairs
-    from moelora_lab.dispatch import CONFIGS, ONE_TILE_MAX_RANK
+    from moelora_lab.op.dispatch import CONFIGS, ONE_TILE_MAX_RANK
     assert CONFIGS["decode"].max_block_r == CONFIGS["prefill"].max_block_r == ONE_TILE_MAX_RANK
     assert choose_path(num_pairs=8, rank=128, **e) == "one_shot"
     assert choose_path(num_pairs=9, rank=128, **e) == "two_kernel"
@@ -275,7 +275,7 @@ def test_actual_adapter_ranks_skip_the_padding(device, path):
 def test_gpu_tile_rule_for_narrow_ranks():
     """dispatch.gpu_config (the GPU rule, testable without a GPU): 2 warps and BLOCK_K 128 for the
     one-shot kernel with a 16-wide rank tile only; a 16-pair program expands at most 1024 columns."""
-    from moelora_lab.dispatch import MAX_EXPAND_COLUMNS, gpu_config
+    from moelora_lab.op.dispatch import MAX_EXPAND_COLUMNS, gpu_config
     for rank, warps in ((8, 2), (16, 2), (32, 4), (64, 4), (None, 4)):
         assert gpu_config("one_shot", 4096, 512, 2048, 1, 132, rank=rank).num_warps == warps, rank
     # the two-kernel path: 2 warps for blocks of <= 32 pairs with rank tiles <= 64 wide, else 4

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import moelora_lab as ml
-from moelora_lab import paths
-from moelora_lab.paths import PATH_CHOICES, PATHS, TRITON_PATHS, get_path, paths_markdown, resolve_path
+from moelora_lab.op import paths
+from moelora_lab.op.paths import PATH_CHOICES, PATHS, TRITON_PATHS, get_path, paths_markdown, resolve_path
 from utils import assert_close, lora_case, shrink_spec
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -108,7 +108,7 @@ def test_one_shot_build_refuses_what_it_cannot_build():
 
 
 def test_auto_picks_by_the_real_ranks_given_on_the_cpu():
-    from moelora_lab.dispatch import choice_rank
+    from moelora_lab.op.dispatch import choice_rank
     assert choice_rank(128, None) == 128
     assert choice_rank(128, torch.tensor([8, 4, 0])) == 8
     assert choice_rank(16, torch.tensor([99])) == 16                     # never past the weights' rank
@@ -123,8 +123,8 @@ def test_auto_picks_by_the_real_ranks_given_on_the_cpu():
 def test_shrink_reads_x_once_for_both_slices(device, slices, token_rows, ranks):
     """``launch_shrink(one_read=True)`` writes what one program per slice writes, and what the spec says:
     T[s, p, :r_l] = A_s[l, e_p] x_row(p) for every pair with an adapter (poisoned T elsewhere stays NaN)."""
-    from moelora_lab.align import make_blocks
-    from moelora_lab.dispatch import choose_config
+    from moelora_lab.routing.device import make_blocks
+    from moelora_lab.op.dispatch import choose_config
 
     p = lora_case(7, device=device, seed=5, no_adapter_fraction=0.3)
     L, E, r, K = p.w13_lora_a[0].shape

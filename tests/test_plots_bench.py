@@ -233,7 +233,7 @@ def test_committed_vllm_comparison_uses_the_auto_rows_of_the_sweep():
     """vLLM's reference (measured with vLLM's code) against the ``auto`` rows of kernels.csv; those
     rows ran what the current rule picks."""
     from moelora_lab.config import MoEShape
-    from moelora_lab.paths import resolve_path
+    from moelora_lab.op.paths import resolve_path
 
     sweep = read_csv(DATA / "kernels.csv")
     table = vllm_comparison(sweep, read_csv(DATA / "vllm_reference.csv"))
@@ -262,7 +262,7 @@ def test_lora_tile_rule_against_the_committed_walk():
     from moelora_lab.results import DATA_DIR as DEFAULT_OUT, read_csv
     from moelora_lab.bench.tune_sweep import TILE_FIELDS
     from moelora_lab.config import MoEShape, make_routing
-    from moelora_lab.dispatch import gpu_config
+    from moelora_lab.op.dispatch import gpu_config
     from moelora_lab.profile.traffic import count_workload
 
     rows = [r for r in read_csv(DEFAULT_OUT / "lora_tune.csv") if r["us_median"] != ""]

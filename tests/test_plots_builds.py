@@ -54,7 +54,7 @@ def chunk_rows(M=128, rank=64, two=True):
 
 
 def test_chunk_table_sets_todays_chunks_against_the_rule_then():
-    from moelora_lab.dispatch import gpu_config
+    from moelora_lab.op.dispatch import gpu_config
     from moelora_lab.plots.traffic import sweep_workload
     [c] = chunk_table(chunk_rows())
     groups = min(1024, sweep_workload("qwen3-30b-a3b", 128, 4).touched_adapter_experts)

@@ -91,7 +91,7 @@ def test_cases_reject_rows_of_another_file():
 
 
 def test_auto_rules_follow_the_library():
-    from moelora_lab.dispatch import choose_path
+    from moelora_lab.op.dispatch import choose_path
     from moelora_lab.layer import gpu_schedule
 
     for c in path_cases(KERNEL_ROWS):

@@ -10,7 +10,7 @@ from matplotlib.figure import Figure  # noqa: E402
 import pytest  # noqa: E402
 
 from moelora_lab import MoEShape  # noqa: E402
-from moelora_lab.dispatch import choose_path, gpu_config  # noqa: E402
+from moelora_lab.op.dispatch import choose_path, gpu_config  # noqa: E402
 from moelora_lab.plots.design import (TILE_FIELDS, draw_base_and_plan, draw_grouped_mm_ratio,  # noqa: E402
                                       draw_join_savings, draw_stage_strips, join_savings, join_traffic,
                                       layout_speedups, lora_rule_table, path_choice_table, tile_name)

@@ -10,7 +10,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from moelora_lab.results import read_csv
-from moelora_lab.dispatch import choose_path
+from moelora_lab.op.dispatch import choose_path
 from moelora_lab.plots.registers import (
     REGISTER_CAP,
     accumulator_registers,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moelora_lab import dispatch
+from moelora_lab.op import dispatch
 
 PROBES = Path(__file__).parent.parent / "scripts" / "probes"
 
@@ -59,8 +59,8 @@ def test_persistent_gemm_matches_the_grouped_gemm(device, flatten):
     """The persistent probe kernel: every pair's row written (the output is poisoned) and equal to ``moe_gemm``'s,
     for w13 (token rows) and w2 (pair rows, routing weights), with fewer programs than tiles."""
     import moelora_lab as ml
-    from moelora_lab.align import make_blocks
-    from moelora_lab.moe import gemm_tiles, moe_gemm
+    from moelora_lab.routing.device import make_blocks
+    from moelora_lab.base_moe import gemm_tiles, moe_gemm
     from utils import assert_close, poisoned
     probe = load("gemm_persistent")
     shape = ml.MoEShape(64, 32, 5, 2, "persistent-test")          # K a multiple of BLOCK_K, N not of BLOCK_N
@@ -80,7 +80,7 @@ def test_persistent_gemm_matches_the_grouped_gemm(device, flatten):
 
 
 def test_join_border_runs_each_form_and_restores_the_border():
-    from moelora_lab import moe
+    from moelora_lab import base_moe as moe
 
     probe = load("join_border")
     kept = moe.SUM_TILE_MAX_PAIRS

@@ -184,7 +184,7 @@ def test_profiler_pipeline_on_the_cpu(monkeypatch, tmp_path):
         return dict(records=stage_records(kernels), kernels=kernels, events=recs)
 
     monkeypatch.setattr(profiler_sweep, "capture_profiler_timeline", fake_capture)
-    with pytest.warns(RuntimeWarning, match="on the CPU the layer runs sequentially"):   # the dual_stream case
+    with pytest.warns(RuntimeWarning, match="on the CPU the layer runs 'sequential'"):   # the dual_stream case
         assert cli.main(["profiler", "--presets", "tiny", "--tokens", "3", "--ranks", "8", "--dtype", "float32",
                          "--trace-events", "--out", str(tmp_path)]) == 0
     rows = read_csv(tmp_path / "layer_profiler.csv")

@@ -12,8 +12,8 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 import moelora_lab as ml
-from moelora_lab.paths import PATH_CHOICES
-from moelora_lab.layer_plan import SCHEDULE_JOINS
+from moelora_lab.op.paths import PATH_CHOICES
+from moelora_lab.layer import AUTO, choices, get_schedule
 from utils import STRIDED_KINDS, TOL, strided, strided_inputs
 
 # per test, a multiple of the profile's example count (ci: 25, thorough: 300)
@@ -111,7 +111,7 @@ def test_every_path_matches_the_spec(device, data):
             assert torch.isnan(out[~owned]).all(), f"{path}: rows without an adapter were written"
 
 
-LAYER_RUNS = [(s, j) for s in ml.layer.SCHEDULES for j in SCHEDULE_JOINS.get(s, ("fold",))]
+LAYER_RUNS = [(s, j) for s in choices() for j in (("fold",) if s == AUTO else get_schedule(s).joins)]
 
 
 @pytest.mark.parametrize("schedule, join", LAYER_RUNS)
@@ -126,8 +126,8 @@ def test_every_layer_schedule_matches_the_spec(device, schedule, join, data):
     r = data.draw(st.one_of(st.integers(1, 16), st.sampled_from([24, 40, 64, 100])), label="rank")
     dtype = data.draw(st.sampled_from(dtypes(device)), label="dtype")
     ranks = data.draw(st.none() | st.lists(st.integers(0, r), min_size=L, max_size=L), label="lora_ranks")
-    if schedule in ml.layer.IN_GEMM and not ml.layer.fused_fits(L + 1, r):
-        r = 16 // (L + 1)                          # the in-GEMM schedules take L*r <= MAX_FUSED_COLUMNS
+    if schedule != AUTO and get_schedule(schedule).too_wide(L + 1, r):
+        r = 16 // (L + 1)                          # schedules with a limit on L*r take at least this
         ranks = None if ranks is None else [min(v, r) for v in ranks]
     views = data.draw(st.sampled_from([None, *STRIDED_KINDS]), label="views")
     event(f"views {views}")

@@ -3,7 +3,9 @@ from pathlib import Path
 
 import pytest
 
-from moelora_lab import dispatch, results
+from moelora_lab import results
+
+from moelora_lab.op import dispatch
 from moelora_lab.results import DATA_SCHEMA, StaleDataError, check_current, config_fingerprint, load, stamp
 
 
@@ -23,7 +25,7 @@ def test_fingerprint_follows_every_rule(monkeypatch):
     monkeypatch.setattr(dispatch, "SIDE_PROGRAMS", dispatch.SIDE_PROGRAMS * 2)
     assert config_fingerprint() != before                     # the side stream's tiles moved
     monkeypatch.undo()
-    from moelora_lab import moe
+    from moelora_lab import base_moe as moe
     monkeypatch.setattr(moe, "gpu_gemm_tiles", lambda per_expert, lora=False: dict(BLOCK_M=16))
     assert config_fingerprint() != before                     # the base GEMM's tiles moved
 

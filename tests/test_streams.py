@@ -4,8 +4,8 @@ import contextlib
 import pytest
 import torch
 
-import moelora_lab.streams as streams_mod
-from moelora_lab.streams import Streams
+import moelora_lab.layer.streams as streams_mod
+from moelora_lab.layer.streams import Streams
 
 
 class FakeStream:

@@ -4,8 +4,8 @@ import json
 import pytest
 
 from moelora_lab.config import MoEShape
-from moelora_lab.dispatch import gpu_config
-from moelora_lab.moe import gpu_gemm_tiles
+from moelora_lab.op.dispatch import gpu_config
+from moelora_lab.base_moe import gpu_gemm_tiles
 from moelora_lab.plots.traffic import sweep_workload
 from moelora_lab.profile.timeline import overlap_metrics
 from moelora_lab.profile.trace_events import (check_trace_events, export_trace_files, load_trace_events, main,

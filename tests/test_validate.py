@@ -7,9 +7,9 @@ import torch
 
 import moelora_lab as ml
 from moelora_lab.bench.eager_sweep import syncs_per_call
-from moelora_lab.dispatch import KernelConfig
+from moelora_lab.op.dispatch import KernelConfig
 from moelora_lab.layer import moe_lora_layer, plan_layer
-from moelora_lab.ops import moe_lora
+from moelora_lab.op.face import moe_lora
 from moelora_lab.validate import check_no_overlap, check_values
 from utils import assert_close, lora_case, poisoned
 
@@ -118,7 +118,7 @@ def test_plans_for_other_routing_or_adapters_are_rejected(device):
 def test_the_layer_checks_ids_unless_its_plan_did(device, monkeypatch):
     """A plan made with validate=True vouches for its (unchanged) routing: no second check, no sync.
     One made with validate=False does not: the layer checks the ids itself."""
-    import moelora_lab.layer as layer_mod
+    import moelora_lab.layer.face as layer_mod
     seen = []
     monkeypatch.setattr(layer_mod, "check_values", lambda ranges: seen.append([r[0] for r in ranges]))
     p = layer_problem(device, seed=30)

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from .. import align
-from ..align import block_list_device
+from ..routing import device as align
+from ..routing.device import block_list_device
 from ..config import MoEShape
 from ..profile import timing
-from ..routing import block_list
+from ..routing.host import block_list
 from .common import sweep_parser, sweep_routing
 
 NAME = "align"

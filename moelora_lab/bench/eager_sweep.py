@@ -18,12 +18,12 @@ import warnings
 import torch
 
 from ..config import MoEShape, layer_lora_weights
-from ..dispatch import choose_config
+from ..op.dispatch import choose_config
 from ..layer import moe_lora_layer, plan_layer
-from ..ops import moe_lora
-from ..paths import resolve_path
+from ..op.face import moe_lora
+from ..op.paths import resolve_path
 from ..profile import timing
-from ..routing import block_list
+from ..routing.host import block_list
 from .common import base_weights, device, progress, seeded_generator, sweep_parser, sweep_routing
 
 NAME = "eager"

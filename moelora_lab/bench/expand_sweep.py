@@ -13,13 +13,13 @@ from dataclasses import asdict
 import torch
 
 from ..config import MoEShape, random_lora_weights
-from ..dispatch import choose_config
-from ..ops import moe_lora, pack_lora_b
-from ..paths import OneShotBuild, one_shot_build
+from ..op.dispatch import choose_config
+from ..op.face import moe_lora, pack_lora_b
+from ..op.paths import OneShotBuild, one_shot_build
 from ..profile import timing
 from ..profile.traffic import count_workload, lora_op_traffic
 from ..reference import moe_lora_reference
-from ..routing import block_list
+from ..routing.host import block_list
 from .common import close, device, progress, seeded_generator, sweep_parser, sweep_routing
 
 NAME = "expand"

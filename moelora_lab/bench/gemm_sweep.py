@@ -17,9 +17,9 @@ import time
 
 import torch
 
-from ..align import make_blocks
+from ..routing.device import make_blocks
 from ..config import MoEShape, layer_lora_weights
-from ..moe import GemmLoRA, gemm_tiles, moe_gemm
+from ..base_moe import GemmLoRA, gemm_tiles, moe_gemm
 from ..profile import timing
 from ..profile.gpu_state import GpuMonitor
 from ..results import write_csv

@@ -1,13 +1,15 @@
-"""``python -m moelora_lab.bench in_k``: the LoRA in the GEMMs' K (``layer_in_k``) against the two-stream layer.
+"""``python -m moelora_lab.bench in_k``: the LoRA in the GEMMs' K (``layer.in_k``) against the two-stream layer.
 
+The subcommand is named after the row of ``layer.SCHEDULES`` that needs the weights packed (``IN_K``), and
+its variants after that row and the two-stream row of the op's LoRA kernels (``TWO``).
 Per (preset, rank, M), timed together in interleaved rounds (CUDA-graph replays, L2 flushed):
 
   no_lora        the layer without LoRA
   dual_stream    the layer with LoRA, both LoRA ops on the side stream (the default on a GPU)
-  w2_in_k        w13's LoRA on the side stream, w2's in the w2 GEMM's K (``w2_in_k_layer``)
-  in_k           both LoRA ops in their GEMMs' K, one stream (``in_k_layer``)
+  w2_in_k        w13's LoRA on the side stream, w2's in the w2 GEMM's K (``experiments.in_k.w2_in_k_layer``)
+  in_k           both LoRA ops in their GEMMs' K, one stream (``layer.in_k.in_k_layer``)
   in_k_overlap   the same with each shrink and its GEMM as one launch, the GEMM tiles waiting for the
-                 shrink only before their tail K steps (``in_k_layer(..., overlap=True)``)
+                 shrink only before their tail K steps (``experiments.in_k.in_k_overlap_layer``)
   w13_gemm       the plain w13 GEMM over x [M, H]
   w13_gemm_in_k  the same GEMM with its last K steps from T1 [2, P, L*r] and w13_ext: what the wider K costs
   w2_gemm        the plain w2 GEMM over h [P, I]
@@ -27,17 +29,24 @@ import torch
 
 from ..config import MoEShape, layer_lora_weights
 from ..layer import moe_lora_layer, plan_layer
-from ..in_k_launch import shrink_tail
-from ..layer_in_k import W13_ONE_READ, in_k_layer, pack_w13_in_k, pack_w2_in_k, w2_in_k_layer
-from ..moe import gemm_tiles, moe_gemm
+from ..layer.in_k_launch import shrink_tail
+from ..experiments.in_k import in_k_overlap_layer, w2_in_k_layer
+from ..layer.in_k import W13_ONE_READ, in_k_layer
+from ..layer.in_k_pack import pack_w13_in_k, pack_w2_in_k
+from ..layer.table import SCHEDULES
+from ..base_moe import gemm_tiles, moe_gemm
 from ..profile import timing
 from ..profile.gpu_state import GpuMonitor
+from ..summary import KERNEL_ROWS
 from .common import base_weights, close, device, progress, seeded_generator, sweep_parser, sweep_routing
 
-NAME = "in_k"
+IN_K = next(name for name, row in SCHEDULES.items() if row.needs_pack)   # the row this benchmark measures
+TWO = KERNEL_ROWS[2]                                                     # against the op's kernels on two streams
+NAME = IN_K
 ROUNDS = 3
-VARIANTS = ("no_lora", "dual_stream", "w2_in_k", "in_k", "in_k_overlap", "w13_gemm", "w13_gemm_in_k", "w2_gemm",
+VARIANTS = ("no_lora", TWO, "w2_in_k", IN_K, "in_k_overlap", "w13_gemm", "w13_gemm_in_k", "w2_gemm",
             "w2_gemm_in_k", "w13_shrink", "w2_shrink")
+CHECKED = ("w2_in_k", IN_K, "in_k_overlap")                              # must agree with TWO before timing
 
 
 def add_parser(sub):
@@ -60,7 +69,7 @@ def run(args) -> list[dict]:
             w13_ext = pack_w13_in_k(w13, lora["w13_lora_b"])
             ids, tw, tl = sweep_routing(shape, L, M, args.seed)
             x = torch.randn(M, H, device=device(), generator=gen, dtype=dtype)
-            plan = plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I, schedule="sequential")
+            plan = plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I, schedule=KERNEL_ROWS[1])
             plain = plan_layer(ids, tl, E, None, None)
             base = (x, ids, tw, tl, w13, w2)
             in_k = dict(w13_lora_a=lora["w13_lora_a"], w13_lora_b=lora["w13_lora_b"], w2_lora_a=lora["w2_lora_a"])
@@ -75,10 +84,10 @@ def run(args) -> list[dict]:
             tl32, a2 = tl.to(torch.int32).contiguous(), lora["w2_lora_a"][0]
             fns = {
                 "no_lora": lambda: moe_lora_layer(*base, plan=plain),
-                "dual_stream": lambda: moe_lora_layer(*base, **lora, schedule="dual_stream", plan=plan),
+                TWO: lambda: moe_lora_layer(*base, **lora, schedule=TWO, plan=plan),
                 "w2_in_k": lambda: w2_in_k_layer(x, ids, tw, tl, w13, w2_ext, **in_k, plan=plan),
-                "in_k": lambda: in_k_layer(x, ids, tw, tl, w13_ext, w2_ext, **both, plan=plan),
-                "in_k_overlap": lambda: in_k_layer(x, ids, tw, tl, w13_ext, w2_ext, **both, plan=plan, overlap=True),
+                IN_K: lambda: in_k_layer(x, ids, tw, tl, w13_ext, w2_ext, **both, plan=plan),
+                "in_k_overlap": lambda: in_k_overlap_layer(x, ids, tw, tl, w13_ext, w2_ext, **both, plan=plan),
                 "w13_gemm": lambda: moe_gemm(x, w13, plain.base_blocks, c1, top_k=k, tiles=tiles),
                 "w13_gemm_in_k": lambda: moe_gemm(x, w13_ext, plain.base_blocks, c1, top_k=k, tiles=tiles, x_tail=t13),
                 "w2_gemm": lambda: moe_gemm(h, w2, plain.base_blocks, c3, top_k=k, topk_weights=wflat, tiles=tiles),
@@ -88,12 +97,12 @@ def run(args) -> list[dict]:
                                                   token_rows=True, one_read=W13_ONE_READ),
                 "w2_shrink": lambda: shrink_tail(h_ext, [a2], plan, tl32, k, h_ext[:, I:].unsqueeze(0), H, rank, None),
             }
-            want = fns["dual_stream"]().float()
+            want = fns[TWO]().float()
             tol = 2e-2 if dtype != torch.float32 else 1e-4
-            for name in ("w2_in_k", "in_k", "in_k_overlap"):
+            for name in CHECKED:
                 got = fns[name]().float()
                 if not close(got, want, tol):
-                    raise RuntimeError(f"{preset} M={M} r={rank}: {name} differs from dual_stream "
+                    raise RuntimeError(f"{preset} M={M} r={rank}: {name} differs from {TWO} "
                                        f"(largest difference {float((got - want).abs().max()):.3g})")
             with GpuMonitor() as state:
                 timed = timing.time_cuda_interleaved(fns, rounds=ROUNDS)

@@ -16,15 +16,15 @@ import sys
 
 import torch
 
-from ..align import make_blocks
+from ..routing.device import make_blocks
 from ..config import MoEShape, random_lora_weights
-from ..dispatch import choose_config
-from ..ops import moe_lora
-from ..paths import KERNEL_CHOICES, PATHS, resolve_path
+from ..op.dispatch import choose_config
+from ..op.face import moe_lora
+from ..op.paths import KERNEL_CHOICES, PATHS, resolve_path
 from ..profile import timing
 from ..profile.traffic import count_workload, lora_op_traffic
 from ..reference import moe_lora_reference
-from ..routing import block_list
+from ..routing.host import block_list
 from .common import close, device, progress, seeded_generator, sweep_parser, sweep_routing
 
 NAME = "kernels"

@@ -3,26 +3,26 @@
 Variants per (preset, M, rank), each timed as a CUDA-graph replay with L2 flushed (median, p20, p80), all
 variants of a case in ``ROUNDS`` interleaved rounds with their replays pooled (``timing.time_cuda_interleaved``):
   no_lora                 the base layer alone (grouped GEMMs, activation, top-k sum)
-  sequential / dual_stream                 LoRA with our folded join, one stream or two, from one plan made
-                          for one stream (the op's path rule: the same kernels on both schedules)
-  dual_stream_side        two streams from a plan made for them, as ``moe_lora_layer(schedule="dual_stream")``
-                          makes it (the side stream's path rule, ``dispatch.choose_side_path``)
-  fused                   LoRA computed inside the base grouped GEMMs (when L*r fits)
-  in_k                    both LoRA ops in their GEMMs' K (``layer_in_k``), from the weights packed once
-  in_join                 the LoRA inside the activation and the top-k sum (``layer_in_join``): w13's shrink
-                          beside the w13 GEMM is its only LoRA launch
-  auto                    what ``moe_lora_layer`` picks by default given that pack (``in_k=``; its plan built
-                          the same way), so it may run ``in_k``; every other LoRA variant reads the
-                          unpacked weights
-  sequential_vllm_join / dual_stream_vllm_join   LoRA with vLLM's join (zero-fill + add passes)
+  <schedule>              each row of ``layer.SCHEDULES`` (``--help`` lists them), our folded join; the rows of
+                          the op's LoRA kernels (one stream, two) and ``in_k`` from one plan made for one stream
+                          (the op's path rule: the same kernels on both stream counts), every other row from a
+                          plan made for it; the rows with an L*r limit only where L*r fits
+  <schedule>_side         a two-stream row from a plan made for it, as ``moe_lora_layer`` makes it (the side
+                          stream's path rule, ``dispatch.choose_side_path``)
+  auto                    what ``moe_lora_layer`` picks by default given the weights packed by ``pack_in_k``
+                          (``in_k=``; its plan built the same way); the rows that need the pack read it too,
+                          every other LoRA variant reads the unpacked weights
+  <schedule>_vllm_join    a row that runs vLLM's join (zero-fill + add passes) with it
   base_gemms              our two grouped GEMMs alone, next to
   grouped_mm              torch._grouped_mm on rows already grouped by expert (a strong reference)
-Routing metadata is built once per case outside the timed region (``plan_layer``) and timed apart
+The default leaves out the side-plan variants and the experiment rows without an L*r limit (asked for by
+name). Routing metadata is built once per case outside the timed region (``plan_layer``) and timed apart
 as ``plan``; ``no_lora_plan`` and ``auto_plan`` time the layer with its plan built inside the call,
 as a model pays it in every MoE layer. Next to the byte floor, ``roofline_us`` is max(byte floor,
 FLOPs / the bf16 matmul rate measured in the same run): past the ridge the layer is compute-bound and the byte floor alone is
-out of reach. Timelines of the sequential, dual-stream (and in-GEMM) layer are captured for ``--trace-tokens``
-x ``--trace-ranks`` and saved to one JSON file. LoRA B is stored N-fastest (``pack_lora_b``), the
+out of reach. Timelines of the default rows that read the unpacked weights (the op's LoRA kernels on one
+stream and on two, and the in-GEMM rows where L*r fits) are captured for ``--trace-tokens`` x
+``--trace-ranks`` and saved to one JSON file. LoRA B is stored N-fastest (``pack_lora_b``), the
 layout the library recommends. ``--side-priority default`` runs the side stream at default priority
 instead of the highest (the comparison behind ``layer.aux_stream``).
 
@@ -30,6 +30,7 @@ Shape legend: M tokens, E experts, k top-k, L adapters, r rank, H hidden, I expe
 """
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 import warnings
@@ -37,41 +38,76 @@ import warnings
 import torch
 
 from ..config import MoEShape, layer_lora_weights
-from ..layer import SIDE_PRIORITIES, fused_fits, moe_lora_layer, plan_layer, resolve_schedule
-from ..layer_in_k import pack_in_k
-from ..moe import gemm_tiles, moe_gemm
+from ..layer import SIDE_PRIORITIES, moe_lora_layer, plan_layer, resolve_schedule
+from ..layer.in_k_pack import pack_in_k
+from ..layer.plan import _streams_run
+from ..layer.table import AUTO, SCHEDULES
+from ..base_moe import gemm_tiles, moe_gemm
 from ..profile import timing
 from ..profile.gpu_state import GpuMonitor
-from ..profile.timeline import capture_timeline, overlap_metrics, save_traces
+from ..profile.timeline import capture_timeline, overlap_metrics, recorded_lora_path, save_traces
 from ..profile.trace_events import export_trace_files
 from ..profile.traffic import count_workload, layer_traffic
+from ..summary import KERNEL_ROWS, SIDE_PLAN_ROWS, VLLM_JOIN_ROWS, side_plan_variant, vllm_join_variant
 from .common import base_weights, device, grouped_mm_fns, progress, seeded_generator, sweep_parser, sweep_routing
 
 NAME = "layer"
-VARIANTS = ("no_lora", "sequential", "dual_stream", "dual_stream_side", "fused", "epilogue", "in_k", "in_join", "auto",
-            "sequential_vllm_join", "dual_stream_vllm_join", "base_gemms", "grouped_mm", "plan", "no_lora_plan",
-            "auto_plan")
-DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v not in ("dual_stream_side", "in_join"))   # those: asked for by name
-ROUNDS = 3              # interleaved timing rounds per case: a drift of the GPU during a case hits every variant
+AUTO_PLAN = f"{AUTO}_plan"
 NO_LORA = ("no_lora", "base_gemms", "grouped_mm", "plan", "no_lora_plan")
+SIDE_OF = {side_plan_variant(name): name for name in SIDE_PLAN_ROWS}       # side-plan variant -> its row
+VLLM_OF = {vllm_join_variant(name): name for name in VLLM_JOIN_ROWS}      # vLLM-join variant -> its row
+
+
+def _variants() -> tuple:
+    """Every variant, in --help order: no LoRA, each row (its side-plan variant beside it), auto, the vLLM
+    joins, the base GEMMs' references and the plans."""
+    out = ["no_lora"]
+    for name in SCHEDULES:
+        out += [name] + [v for v, row in SIDE_OF.items() if row == name]
+    return (*out, AUTO, *VLLM_OF, "base_gemms", "grouped_mm", "plan", "no_lora_plan", AUTO_PLAN)
+
+
+VARIANTS = _variants()
+# asked for by name: the side-plan variants and the experiment rows without an L*r limit
+BY_NAME = (*SIDE_OF, *(name for name, row in SCHEDULES.items() if row.status == "experiment" and not row.max_columns))
+DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v not in BY_NAME)
+ROUNDS = 3              # interleaved timing rounds per case: a drift of the GPU during a case hits every variant
 # the schedule each LoRA-layer variant asks for (``schedule`` records what it really ran)
-SCHEDULE_OF = {"sequential": "sequential", "dual_stream": "dual_stream", "dual_stream_side": "dual_stream",
-               "fused": "fused", "epilogue": "epilogue",
-               "in_k": "in_k", "in_join": "in_join", "auto": "auto",
-               "sequential_vllm_join": "sequential", "dual_stream_vllm_join": "dual_stream", "auto_plan": "auto"}
+SCHEDULE_OF = {**{name: name for name in SCHEDULES}, **SIDE_OF, **VLLM_OF, AUTO: AUTO, AUTO_PLAN: AUTO}
+PACKED = (*(name for name, row in SCHEDULES.items() if row.needs_pack), AUTO, AUTO_PLAN)   # read the pack
+# rows run from the shared one-stream plan (the op's path rule); every other row gets a plan of its own
+SHARED_PLAN = tuple(name for name, row in SCHEDULES.items()
+                    if row.lora_blocks and row.plan_path is None and not row.gemm_lora_tiles)
+# rows whose timelines are captured: the default rows on the weights as given
+TRACED = tuple(name for name, row in SCHEDULES.items() if name in DEFAULT_VARIANTS and not row.needs_pack)
+
+
+def _epilog() -> str:
+    """The rows of ``layer.SCHEDULES`` as --help lists them: name, status, what it does."""
+    width = max(map(len, SCHEDULES)) + 2
+    return "schedules (each a variant; rows of moelora_lab.layer.SCHEDULES):\n" + "\n".join(
+        f"  {name:<{width}}{row.status}: {row.summary}" for name, row in SCHEDULES.items())
 
 
 def add_parser(sub):
-    y = sweep_parser(sub, NAME, "the MoE layer: no LoRA, sequential, dual stream, join variants; timelines",
+    y = sweep_parser(sub, NAME, "the MoE layer: no LoRA, every schedule, join variants; timelines",
                      name="layer", tokens=(1, 16, 64, 128, 512, 2048, 8192), ranks=(16, 64), max_seconds=True)
+    y.formatter_class, y.epilog = argparse.RawDescriptionHelpFormatter, _epilog()
     y.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(DEFAULT_VARIANTS), metavar="VARIANT",
-                   help=f"a subset of {', '.join(VARIANTS)} (default: all but dual_stream_side and in_join)")
+                   help=f"a subset of {', '.join(VARIANTS)} (default: all but {' and '.join(BY_NAME)})")
     y.add_argument("--trace-tokens", nargs="+", type=int, default=[1, 16, 128, 512, 2048, 8192])
     y.add_argument("--trace-ranks", nargs="+", type=int, default=[16, 64])
     y.add_argument("--side-priority", choices=SIDE_PRIORITIES, default=SIDE_PRIORITIES[0])
     y.add_argument("--trace-events", action="store_true",
                    help="also write the timelines as Chrome trace-event JSON (<out>/<name>_traces.trace.json, one "
                         "process per case) for Perfetto or chrome://tracing")
+    return y
+
+
+def _fits(variant: str, num_loras: int, rank: int) -> bool:
+    """Whether the row a variant asks for can run L adapters of rank r (no row: always)."""
+    row = SCHEDULES.get(SCHEDULE_OF.get(variant, ""))
+    return row is None or row.too_wide(num_loras, rank) is None
 
 
 def run_layer(args) -> tuple[list[dict], dict]:
@@ -94,12 +130,14 @@ def run_layer(args) -> tuple[list[dict], dict]:
         lora = dict(layer_lora_weights(shape, L, rank, gen, dtype), side_priority=args.side_priority)
         ids, tw, tl = sweep_routing(shape, L, M, args.seed)
         x = torch.randn(M, H, device=device(), generator=gen, dtype=dtype)
-        plan_l = plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I, schedule="sequential")
-        plan_f = plan_layer(ids, tl, E, L, rank, schedule="fused") if fused_fits(L, rank) else None
-        plan_e = plan_layer(ids, tl, E, L, rank, schedule="epilogue") if fused_fits(L, rank) else None
-        plan_s = plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I, schedule="dual_stream")
-        plan_j = plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I, schedule="in_join")
+        plan_l = plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I, schedule=KERNEL_ROWS[1])
+        # a plan per row that does not share plan_l (where L*r fits), and per side-plan variant
+        plan_of = {name: plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I, schedule=name)
+                   for name, row in SCHEDULES.items() if name not in SHARED_PLAN and _fits(name, L, rank)}
+        plan_of.update({v: plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I, schedule=name)
+                        for v, name in SIDE_OF.items()})
         plan_a = plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I)      # as moe_lora_layer builds it
+        plan_of.update({AUTO: plan_a, AUTO_PLAN: plan_a})                      # every other variant runs plan_l's path
         plan_b = plan_layer(ids, tl, E, None, None)
         base = (x, ids, tw, tl, w13, w2)
         pack = pack_in_k(w13, w2, lora["w13_lora_b"], lora["w2_lora_b"])     # a second copy: the bench's only
@@ -109,37 +147,36 @@ def run_layer(args) -> tuple[list[dict], dict]:
         c3 = torch.empty(M * k, H, device=device(), dtype=dtype)
         tiles, wflat = gemm_tiles(M * k, E), tw.reshape(-1).contiguous()
         grouped = grouped_mm_fns(x, h, ids, w13, w2)
+
+        def layer_fn(variant, schedule, join="fold"):
+            """The LoRA layer as ``variant`` runs it: ``schedule`` with ``join``, on the pack where it needs it."""
+            pl = plan_of.get(variant) or plan_of.get(schedule, plan_l)
+            if variant in PACKED:
+                return lambda: moe_lora_layer(*packed, **lora, schedule=schedule, join=join, in_k=pack, plan=pl)
+            return lambda: moe_lora_layer(*base, **lora, schedule=schedule, join=join, plan=pl)
+
         fns = {
             "no_lora": lambda: moe_lora_layer(*base, plan=plan_b),
-            "sequential": lambda: moe_lora_layer(*base, **lora, schedule="sequential", plan=plan_l),
-            "dual_stream": lambda: moe_lora_layer(*base, **lora, schedule="dual_stream", plan=plan_l),
-            "dual_stream_side": lambda: moe_lora_layer(*base, **lora, schedule="dual_stream", plan=plan_s),
-            "fused": lambda: moe_lora_layer(*base, **lora, schedule="fused", plan=plan_f),
-            "epilogue": lambda: moe_lora_layer(*base, **lora, schedule="epilogue", plan=plan_e),
-            "in_k": lambda: moe_lora_layer(*packed, **lora, schedule="in_k", in_k=pack, plan=plan_l),
-            "in_join": lambda: moe_lora_layer(*base, **lora, schedule="in_join", plan=plan_j),
-            "auto": lambda: moe_lora_layer(*packed, **lora, in_k=pack, plan=plan_a),
-            "sequential_vllm_join": lambda: moe_lora_layer(*base, **lora, schedule="sequential", join="vllm",
-                                                           plan=plan_l),
-            "dual_stream_vllm_join": lambda: moe_lora_layer(*base, **lora, schedule="dual_stream", join="vllm",
-                                                            plan=plan_l),
+            **{name: layer_fn(name, name) for name in SCHEDULES if _fits(name, L, rank)},
+            **{v: layer_fn(v, name) for v, name in SIDE_OF.items()},
+            AUTO: lambda: moe_lora_layer(*packed, **lora, in_k=pack, plan=plan_a),
+            **{v: layer_fn(v, name, join="vllm") for v, name in VLLM_OF.items()},
             "base_gemms": lambda: (moe_gemm(x, w13, plan_b.base_blocks, c1, top_k=k, tiles=tiles),
                                    moe_gemm(h, w2, plan_b.base_blocks, c3, top_k=k, topk_weights=wflat,
                                             tiles=tiles)),
             "grouped_mm": lambda: tuple(f() for f in grouped),
             "no_lora_plan": lambda: moe_lora_layer(*base, validate=False),
-            "auto_plan": lambda: moe_lora_layer(*packed, **lora, in_k=pack, validate=False),
-            "plan": lambda: plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I, schedule="sequential",
+            AUTO_PLAN: lambda: moe_lora_layer(*packed, **lora, in_k=pack, validate=False),
+            "plan": lambda: plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I, schedule=KERNEL_ROWS[1],
                                        validate=False),
         }
-        plan_of = {"fused": plan_f, "epilogue": plan_e, "auto": plan_a, "auto_plan": plan_a,
-                   "dual_stream_side": plan_s, "in_join": plan_j}             # every other variant runs plan_l's path
         work = count_workload(ids, tl, E, L)
         floors = {True: layer_traffic(shape, rank, work, lora_path=plan_l.lora_path)["floor"],
                   False: layer_traffic(shape, rank, work, with_lora=False)["floor"]}
-        names = [n for n in args.variants if n not in ("fused", "epilogue") or plan_f is not None]
+        names = [n for n in args.variants if _fits(n, L, rank)]             # L*r too wide: no in-GEMM rows
         with GpuMonitor() as state:                  # the clock and power while this case's variants ran
-            timed = timing.time_cuda_interleaved({n: fns[n] for n in names}, rounds=ROUNDS)   # L*r too wide: no in-GEMM
+            timed = timing.time_cuda_interleaved({n: fns[n] for n in names}, rounds=ROUNDS)
+        streams_run = _streams_run(torch.device(device()))
         for name in names:
             error, t = "", timed[name]
             if isinstance(t, timing.Timing):
@@ -150,30 +187,32 @@ def run_layer(args) -> tuple[list[dict], dict]:
             floor = floors[name not in NO_LORA]
             asks = SCHEDULE_OF.get(name)
             ran = ""
-            if asks:                           # the schedule that really ran (auto resolved, CPU: sequential)
+            if asks:                           # the schedule that really ran (auto resolved)
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", RuntimeWarning)
                     ran = resolve_schedule(asks, torch.device(device()), num_pairs=M * k, num_experts=E,
-                                           fits=plan_f is not None,
-                                           in_k_columns=L * rank if name in ("in_k", "auto", "auto_plan") else None)
-            path = "in_k" if ran == "in_k" else (plan_of.get(name) or plan_l).lora_path
+                                           num_loras=L, rank=rank, in_k_columns=L * rank if name in PACKED else None,
+                                           join="vllm" if name in VLLM_OF else "fold")
+            path = recorded_lora_path(ran, (plan_of.get(name) or plan_of.get(asks) or plan_l).lora_path)
+            two = streams_run and ran in SCHEDULES and SCHEDULES[ran].streams > 1     # a side stream really ran
             rows.append(dict(preset=preset, M=M, rank=rank, loras=L, variant=name, schedule=ran, lora_path=path,
-                             side_priority=args.side_priority if ran == "dual_stream" else "",
+                             side_priority=args.side_priority if two else "",
                              us_median=med, us_p20=p20, us_p80=p80, floor_bytes=floor.bytes,
                              floor_us=round(floor.floor_us(copy_bps), 2),
                              roofline_us=round(max(floor.floor_us(copy_bps), floor.flops / flops_per_s * 1e6), 2),
                              copy_tbps=round(copy_bps / 1e12, 4), matmul_tflops=round(flops_per_s / 1e12, 1),
                              error=error, **state.summary(), **prov))
         if M in args.trace_tokens and rank in args.trace_ranks:
-            for sched in ("sequential", "dual_stream") + (("fused", "epilogue") if plan_f is not None else ()):
-                pl = {"fused": plan_f, "epilogue": plan_e}.get(sched, plan_l)
+            for sched in (s for s in TRACED if _fits(s, L, rank)):
+                pl = plan_of.get(sched, plan_l)
                 run = (lambda tr, s=sched, pl=pl: moe_lora_layer(*base, **lora, schedule=s, plan=pl, tracer=tr))
                 try:
                     recs = capture_timeline(run)
                 except Exception as exc:  # keep the timings even if a trace fails
                     print(f"trace {preset} M={M} r={rank} {sched} failed: {exc}", file=sys.stderr)
                     continue
-                meta = dict(preset=preset, M=M, rank=rank, loras=L, schedule=sched, lora_path=pl.lora_path,
+                meta = dict(preset=preset, M=M, rank=rank, loras=L, schedule=sched,
+                            lora_path=recorded_lora_path(sched, pl.lora_path),
                             floor_us=round(floors[True].floor_us(copy_bps), 2), copy_tbps=round(copy_bps / 1e12, 4),
                             **prov)
                 traces[f"{preset}_M{M}_r{rank}_{sched}"] = dict(meta=meta, records=recs,

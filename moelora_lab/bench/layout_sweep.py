@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 
 from ..config import MoEShape, random_lora_weights
-from ..dispatch import choose_config, choose_path
-from ..ops import moe_lora, pack_lora_b
+from ..op.dispatch import choose_config, choose_path
+from ..op.face import moe_lora, pack_lora_b
 from ..profile import timing
-from ..routing import block_list
+from ..routing.host import block_list
 from .common import close, device, seeded_generator, sweep_parser, sweep_routing
 
 NAME = "layout"

@@ -1,7 +1,7 @@
 """``python -m moelora_lab.bench profiler``: the layer's timelines from torch.profiler, next to the event tracer.
 
-For every (preset, M, rank) and schedule (sequential, dual_stream, and fused where L*r fits), the layer
-runs under ``torch.profiler`` with its stages marked (``profile.profiler.capture_profiler_timeline``):
+For every (preset, M, rank) and schedule of ``SCHEDULES`` (the op's LoRA kernels on one stream and on two,
+and the LoRA inside the GEMMs where L*r fits: rows of ``layer.SCHEDULES``), the layer runs under ``torch.profiler`` with its stages marked (``profile.profiler.capture_profiler_timeline``):
 the kernels as the GPU ran them, each tied to its stage, and the same run timed by the event tracer.
 Writes ``<out>/<name>_traces.json`` (case -> meta, records (per stage, from the kernels), kernels,
 events (the event tracer's records), metrics, agreement) and one CSV row per case with HTA-style
@@ -17,16 +17,19 @@ import sys
 import torch
 
 from ..config import MoEShape, layer_lora_weights
-from ..layer import fused_fits, moe_lora_layer, plan_layer
+from ..layer import moe_lora_layer, plan_layer
+from ..layer.table import SCHEDULES as ROWS
 from ..profile import timing
 from ..profile.profiler import TOLERANCE_REL, TOLERANCE_US, capture_profiler_timeline, compare_timelines, stream_metrics
-from ..profile.timeline import save_traces
+from ..profile.timeline import recorded_lora_path, save_traces
 from ..profile.trace_events import export_trace_files
 from ..profile.traffic import count_workload, layer_traffic
+from ..summary import KERNEL_ROWS
 from .common import base_weights, device, progress, seeded_generator, sweep_parser, sweep_routing
 
 NAME = "profiler"
-SCHEDULES = ("sequential", "dual_stream", "fused")
+# the rows profiled: the op's LoRA kernels (one stream, two) and the LoRA inside the GEMMs
+SCHEDULES = tuple(name for name, row in ROWS.items() if row.lora_paths is None or row.gemm_lora_tiles)
 
 
 def add_parser(sub):
@@ -72,10 +75,12 @@ def run_profiles(args) -> dict:
         floor = layer_traffic(shape, rank, count_workload(ids, tl, E, L),
                               lora_path=plan_layer(ids, tl, E, L, rank).lora_path)["floor"]
         for sched in SCHEDULES:
-            if sched == "fused" and not fused_fits(L, rank):
+            row = ROWS[sched]
+            if row.too_wide(L, rank):
                 continue
+            # the op's kernels share one plan made for one stream (the same kernels on both stream counts)
             plan = plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I,
-                              schedule="fused" if sched == "fused" else "sequential")
+                              schedule=KERNEL_ROWS[1] if row.lora_paths is None else sched)
             run = (lambda tr, s=sched, pl=plan: moe_lora_layer(x, ids, tw, tl, w13, w2, **lora, schedule=s, plan=pl,
                                                                tracer=tr))
             name = f"{preset}_M{M}_r{rank}_{sched}"
@@ -84,7 +89,8 @@ def run_profiles(args) -> dict:
             except Exception as exc:  # record what ran; one failed capture does not lose the others
                 print(f"profiler trace {name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
                 continue
-            meta = dict(preset=preset, M=M, rank=rank, loras=L, schedule=sched, lora_path=plan.lora_path,
+            meta = dict(preset=preset, M=M, rank=rank, loras=L, schedule=sched,
+                        lora_path=recorded_lora_path(sched, plan.lora_path),
                         floor_us=round(floor.floor_us(copy_bps), 2), copy_tbps=round(copy_bps / 1e12, 4),
                         source="torch.profiler", tolerance=f"max({TOLERANCE_US} us, {TOLERANCE_REL:.0%})", **prov)
             out[name] = dict(meta=meta, **p, metrics=stream_metrics(p["records"], p["kernels"]),

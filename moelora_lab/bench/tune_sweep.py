@@ -18,13 +18,13 @@ import time
 import torch
 
 from ..config import MoEShape, random_lora_weights
-from ..dispatch import choose_config
-from ..ops import moe_lora
-from ..paths import PATHS, TRITON_PATHS
+from ..op.dispatch import choose_config
+from ..op.face import moe_lora
+from ..op.paths import PATHS, TRITON_PATHS
 from ..profile import timing
 from ..profile.traffic import count_workload, lora_op_traffic
 from ..results import write_csv
-from ..routing import block_list
+from ..routing.host import block_list
 from .common import close, device, progress, seeded_generator, sweep_parser, sweep_routing
 
 NAME = "tune"

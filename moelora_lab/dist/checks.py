@@ -15,8 +15,9 @@ import torch.distributed as dist
 
 from ..config import LoRAShape, MoEShape, make_problem
 from ..layer import moe_lora_layer
+from ..layer.table import AUTO_CPU
 from ..reference import moe_layer_reference
-from ..routing import route
+from ..routing.host import route
 from .ep import ep_layer
 from .partition import LORA_KEYS, ExpertPartition, shard_tp
 
@@ -92,8 +93,9 @@ def _compare(y, whole, spec, scale) -> dict:
 
 def _single(p, case, with_lora):
     lora = {key: getattr(p, key) for key in LORA_KEYS} if with_lora else {}
+    # the whole layer on one device and one stream: what the parallel layers must match
     whole = moe_lora_layer(p.x, p.topk_ids, p.topk_weights, p.token_lora, p.w13, p.w2, **lora,
-                           schedule="sequential", lora_ranks=_ranks(case))
+                           schedule=AUTO_CPU, lora_ranks=_ranks(case))
     no_adapter = torch.full_like(p.token_lora, -1)          # the spec without LoRA: no token has an adapter
     spec = moe_layer_reference(p.x, p.topk_ids, p.topk_weights, p.token_lora if with_lora else no_adapter, p.w13,
                                p.w2, **{key: getattr(p, key) for key in LORA_KEYS})

@@ -38,17 +38,16 @@ import triton
 from .._backend import on_device
 from ..kernels.combine import gather_sum_kernel
 from ..layer import moe_lora_layer
-from ..layer_plan import IN_GEMM, SCHEDULES, fused_fits
-from ..moe import MAX_FUSED_COLUMNS
-from ..paths import KERNEL_CHOICES, get_path
-from ..streams import traced
+from ..layer.table import AUTO, choices, get_schedule
+from ..op.paths import KERNEL_CHOICES, get_path
+from ..layer.streams import traced
 from ..validate import (ANY_SLOT, FLOAT_DTYPES, LayerDims, check_bool, check_choice, check_int,
                         check_layer_inputs, check_lora_ranks, check_tensor, check_values, routing_ranges)
 from .agree import Same, agree, check_kernels_run, dtype_code, dtype_name, layer_device, run_checks
 from .partition import LORA_KEYS, ExpertPartition
 
 # the schedules a rank's experts can run: no in_k pack travels with the local weights
-EP_SCHEDULES = tuple(s for s in SCHEDULES if s != "in_k")
+EP_SCHEDULES = tuple(s for s in choices() if s == AUTO or not get_schedule(s).needs_pack)
 
 
 class Dispatch(NamedTuple):
@@ -203,12 +202,11 @@ def check_inputs(x, topk_ids, topk_weights, token_lora, local, partition, *, wor
                               *(local.get(key) for key in LORA_KEYS))
     check_kernels_run(x)
     with_lora = dims.L is not None and dims.r > 0
-    if with_lora and schedule in IN_GEMM and not fused_fits(dims.L, dims.r):
-        raise ValueError(f"schedule={schedule!r}: the in-GEMM LoRA needs L*r <= {MAX_FUSED_COLUMNS} (here "
-                         f"L={dims.L}, r={dims.r}); use schedule='sequential' or 'dual_stream'")
-    if with_lora and schedule == "in_join" and lora_path not in ("auto", "two_kernel"):
-        raise ValueError(f"lora_path: {lora_path!r} has no meaning with schedule='in_join' (it runs the two-kernel "
-                         "path's shrink and expands in the join kernels); leave lora_path at 'auto'")
+    row = None if schedule == AUTO else get_schedule(schedule)
+    if with_lora and row is not None:
+        why = row.too_wide(dims.L, dims.r) or row.ignored("fold", lora_path)
+        if why:
+            raise ValueError(why)
     if counts is not None:
         _check_counts(counts, topk_ids, micro_batches, world)
     ranges = routing_ranges(topk_ids, token_lora, partition.num_experts, dims.L or ANY_SLOT)

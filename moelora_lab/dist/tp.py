@@ -25,12 +25,13 @@ import torch
 import torch.distributed as dist
 
 from .._backend import on_device
-from ..dispatch import choose_config
+from ..op.dispatch import choose_config
 from ..layer import plan_layer
-from ..moe import gemm_tiles, moe_gemm, silu_and_mul, topk_sum
-from ..ops import run_lora
-from ..paths import KERNEL_CHOICES, get_path, launch_expand, launch_shrink
-from ..streams import traced
+from ..layer.table import AUTO_CPU
+from ..base_moe import gemm_tiles, moe_gemm, silu_and_mul, topk_sum
+from ..op.face import run_lora
+from ..op.paths import KERNEL_CHOICES, get_path, launch_expand, launch_shrink
+from ..layer.streams import traced
 from ..validate import (ANY_SLOT, FLOAT_DTYPES, LayerDims, check_bool, check_layer_base, check_lora_ranks,
                         check_routing, check_same_device, check_tensor, check_values, routing_ranges)
 from .agree import (Same, _all_gather, agree, check_kernels_run, dtype_code, dtype_name, layer_device,
@@ -155,8 +156,9 @@ def tp_layer(x, topk_ids, topk_weights, token_lora, local: dict, *, fully_sharde
         # intermediates and the outputs go to the kernels with their strides; the routing weights are
         # flattened (a copy where needed) into ``weights``, and topk_ids is read through reshape(-1).
         token_lora = token_lora.to(torch.int32).contiguous()
+        # planned as for one stream (the op's path rule): the shard's kernels run on the current stream
         plan = plan_layer(topk_ids, token_lora, E, L, r, hidden=H, intermediate=I_w, lora_path=path,
-                          schedule="sequential", validate=False, lora_ranks=lora_ranks)
+                          schedule=AUTO_CPU, validate=False, lora_ranks=lora_ranks)
         ranks = None if lora_ranks is None else lora_ranks.to(device=x.device, dtype=torch.int32).contiguous()
         weights = topk_weights.reshape(-1).float().contiguous()
         tiles = gemm_tiles(P, E)

@@ -20,7 +20,7 @@ PADDING = dict(shape="qwen3-30b-a3b", L=4, M=256, BLOCK_M=16, seed=0)   # the no
 def _grade_padding(guess) -> Result:
     from ..config import LoRAShape, MoEShape, make_problem
     from ..plots import padding_stats
-    from ..routing import align_block_size
+    from ..routing.host import align_block_size
     c = PADDING
     if isinstance(guess, (int, float)) and not isinstance(guess, bool) and not 0 <= guess <= 1:
         return Result(False, f"01.padding_share: write a fraction between 0 and 1 (0.5 for half), got {guess!r}")
@@ -76,7 +76,7 @@ def _as_ids(value, name: str) -> torch.Tensor:
 
 def _diff_one_adapter(fn, name, topk_ids, E, bs) -> tuple[str, ...] | None:
     """None when ``fn`` agrees with align_block_size on this routing, else what differs."""
-    from ..routing import align_block_size
+    from ..routing.host import align_block_size
     M, k = topk_ids.shape
     a = align_block_size(topk_ids, torch.zeros(M, dtype=torch.int32), E, 1, bs)
     T = int(a.num_tokens_post_padded[0])
@@ -198,7 +198,7 @@ def _why_sorted(got, topk_ids, token_lora, E, L, bs) -> str:
 
 
 def _grade_loads(fn) -> Result:
-    from ..routing import align_block_size
+    from ..routing.host import align_block_size
     if not callable(fn):
         return Result(False, f"01.assignment_loads: expected a function, got {type(fn).__name__}")
     cases = _loads_cases(random.randrange(2 ** 31))

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import random
 
+from ..summary import KERNEL_ROWS
 from .core import Exercise, Result, predict_result, register
 
 PRESET = "qwen3-30b-a3b"
+ONE, TWO = KERNEL_ROWS[1], KERNEL_ROWS[2]      # the schedules of the op's LoRA kernels on one stream and on two
 
 
 def _trace(M: int, rank: int, schedule: str) -> dict:
@@ -31,7 +33,7 @@ def _grade_window(guess) -> Result:
     from ..profile.traffic import layer_traffic
     from ..results import load
     w = WINDOW
-    trace = _trace(w["M"], w["rank"], "dual_stream")
+    trace = _trace(w["M"], w["rank"], TWO)
     truth = trace_phases(trace["records"])[w["pair"]]["window_us"]
     copy_bps = load("layer")[0]["copy_tbps"] * 1e12
     stages = layer_traffic(MoEShape.from_name(PRESET), w["rank"], sweep_workload(PRESET, w["M"]),
@@ -110,13 +112,13 @@ def _random_ops(seed: int) -> list:
 
 
 def _fork_cases():
-    seq = _trace(16, 16, "sequential")
+    seq = _trace(16, 16, ONE)
     us = {r["name"]: round(r["end_us"] - r["start_us"], 1) for r in seq["records"]}
     long_lora = dict(us, lora_w13=us["base_w13"] * 1.5, lora_w2=us["base_w2"] * 0.5)
     return us, [
         ("fork recorded before base_w13 (the layer's order), M = 16 stage times", layer_ops(us)),
         ("fork recorded after base_w13", layer_ops(us, fork_before=False)),
-        ("one stream (schedule='sequential')", layer_ops(us, dual=False)),
+        (f"one stream (schedule={ONE!r})", layer_ops(us, dual=False)),
         ("fork before, a LoRA longer than its base GEMM", layer_ops(long_lora)),
         ("three streams, random events", _random_ops(56)),
         ("three streams, random events", _random_ops(125)),
@@ -166,7 +168,7 @@ def _grade_fork(schedule) -> Result:
                           + ("the ops: " + ", ".join(map(str, ops)),) * title.startswith("three"))
     before, after, one = (stream_schedule_reference(ops) for _, ops in cases[:3])
     end = lambda t: max(e for _, e in t.values())
-    measured = _trace(16, 16, "dual_stream")["records"]
+    measured = _trace(16, 16, TWO)["records"]
     return Result(True, f"04.fork_point: right in all {len(cases)} cases", (
         f"fork before base_w13: lora_w13 starts at {before['lora_w13'][0]:.1f} µs beside it; the layer ends at "
         f"{end(before):.0f} µs",

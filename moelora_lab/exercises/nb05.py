@@ -26,7 +26,7 @@ def _fold_inputs(token_lora, k: int, I: int, seed: int):
 
 def _fold_truth(c1, delta, token_lora, k: int):
     """h [P, I] from the library's activation kernel (the folded join), on copies of the inputs."""
-    from ..moe import silu_and_mul
+    from ..base_moe import silu_and_mul
     h = torch.full((c1.shape[0], c1.shape[1] // 2), float("nan"))
     return silu_and_mul(c1.clone(), h, top_k=k, delta=delta.clone(), token_lora=token_lora)
 

@@ -265,7 +265,7 @@ def gemm_tile_table(rows) -> list[dict]:
     """Per (op, M, LoRA rank) of ``gemm_tune.csv``: the tiles of the rule when the sweep ran, of
     ``moe.gemm_tiles`` now, and the best of the grid (µs and tiles), for the tiles that ran."""
     from ..config import MoEShape
-    from ..moe import gpu_gemm_tiles
+    from ..base_moe import gpu_gemm_tiles
 
     keys = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")
     name = lambda t: "{block_m}x{block_n}x{block_k} g{group_m} w{num_warps} s{num_stages}".format(**t)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from matplotlib.patches import Patch
 
-from ..dispatch import CONFIGS, one_shot_build_rule
+from ..op.dispatch import CONFIGS, one_shot_build_rule
 from .design import FINGERPRINT_SMS, sweep_rule_config
 
 FONT = 9

@@ -16,11 +16,15 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 
 from ..config import MoEShape
+from ..layer.table import SCHEDULES
 from ..validate import check_rows
 from .bench import check_ax
 
 PATH_CHOICES = ("one_shot", "two_kernel", "small_batch")
-SCHEDULE_CHOICES = ("sequential", "dual_stream", "fused")
+# the rows a schedule rule chooses among: the op's LoRA kernels (one stream, two) and the LoRA inside the GEMMs
+SCHEDULE_CHOICES = tuple(name for name, row in SCHEDULES.items() if row.lora_paths is None or row.gemm_lora_tiles)
+# the choice whose L*r limit ``fused_fits`` reports (the in-GEMM row of the choices)
+FITS_ROW = next(name for name in SCHEDULE_CHOICES if SCHEDULES[name].max_columns is not None)
 RULE_COLORS = ("#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#7f7f7f")
 FONT = 9
 
@@ -62,9 +66,7 @@ def schedule_cases(rows) -> list[dict]:
     """One case per (preset, M, r, L) of the layer sweep (rows of ``layer.csv``), with the times of
     the schedules of ``SCHEDULE_CHOICES`` measured there. Features: preset, M, rank, loras, top_k,
     num_experts, pairs (M*k), pairs_per_expert, hidden, intermediate and fused_fits (whether the
-    in-GEMM LoRA can run at this L*r: ``layer.fused_fits``)."""
-    from ..layer import fused_fits
-
+    in-GEMM LoRA can run at this L*r: its row's limit, ``FITS_ROW``)."""
     rows = check_rows("rows", rows, ("preset", "M", "rank", "loras", "variant", "us_median"), "layer.csv")
     groups: dict = {}
     for r in rows:
@@ -77,7 +79,8 @@ def schedule_cases(rows) -> list[dict]:
         features = dict(preset=preset, M=M, rank=rank, loras=loras, top_k=shape.top_k,
                         num_experts=shape.num_experts, pairs=M * shape.top_k,
                         pairs_per_expert=M * shape.top_k / shape.num_experts, hidden=shape.hidden,
-                        intermediate=shape.intermediate, fused_fits=fused_fits(loras, rank))
+                        intermediate=shape.intermediate,
+                        fused_fits=SCHEDULES[FITS_ROW].too_wide(loras, rank) is None)
         cases.append(_case(features, timed))
     if not cases:
         raise ValueError(f"rows: no timed row of a schedule in {SCHEDULE_CHOICES}; expected the rows of layer.csv")
@@ -86,7 +89,7 @@ def schedule_cases(rows) -> list[dict]:
 
 def auto_path(features: Mapping) -> str:
     """What ``path="auto"`` runs for a path case, by the current rule (``paths.resolve_path``)."""
-    from ..paths import resolve_path
+    from ..op.paths import resolve_path
 
     return resolve_path("auto", num_pairs=features["pairs"], num_experts=features["num_experts"],
                         num_loras=features["loras"], rank=features["rank"], add_inputs=True,
@@ -95,7 +98,7 @@ def auto_path(features: Mapping) -> str:
 
 def auto_schedule(features: Mapping) -> str:
     """What ``schedule="auto"`` runs on a GPU for a schedule case, by the current rule (``layer.gpu_schedule``)."""
-    from ..layer_plan import gpu_schedule
+    from ..layer.plan import gpu_schedule
 
     return gpu_schedule(features["pairs"], features["num_experts"])
 
@@ -108,7 +111,7 @@ def case_name(features: Mapping) -> str:
 
 def _why_not(choice: str, case: dict, cases: Sequence[dict]) -> str:
     f = case["features"]
-    if choice == "fused" and not f.get("fused_fits", True):
+    if choice == FITS_ROW and not f.get("fused_fits", True):
         return "the in-GEMM LoRA cannot run at this L*r (features['fused_fits'] is False)"
     where = sorted({c["features"]["M"] for c in cases if choice in c["us"] and c["features"]["preset"] == f["preset"]})
     upto = f"; the sweep timed it for M up to {where[-1]}" if where else ""

@@ -8,8 +8,10 @@ b bytes per element, P = M*k pairs, P_a = pairs of tokens with an adapter, N out
 """
 from __future__ import annotations
 
+from ..layer.table import JOINS, SCHEDULES
+from ..summary import VLLM_JOIN_ROWS, vllm_join_variant
 from .bench import log_axes
-from .layer import _variant_lines, variant_table
+from .layer import _streams, _variant_lines, variant_table
 
 FONT = 9                      # the smallest text of every figure drawn here (points)
 FINGERPRINT_SMS = 132         # an H200's SM count: the tile rules are read for the GPU that ran the data
@@ -54,7 +56,7 @@ def join_traffic(shape, num_tokens: int, join: str, *, tokens_with_adapter: int 
     from ..validate import check_choice, check_int
     from ..profile.traffic import Traffic
 
-    check_choice("join", join, ("fold", "vllm"))
+    check_choice("join", join, JOINS)
     m = check_int("num_tokens", num_tokens, low=0)
     with_adapter = m if tokens_with_adapter is None else check_int("tokens_with_adapter", tokens_with_adapter,
                                                                    low=0, high=m)
@@ -71,18 +73,19 @@ def join_traffic(shape, num_tokens: int, join: str, *, tokens_with_adapter: int 
     return Traffic(sum(n for _, n in reads), sum(n for _, n in writes), p * (i2 + h), 4, reads + writes)
 
 
-def join_savings(rows, *, preset: str, rank: int, schedule: str = "sequential") -> list[dict]:
-    """Per M: fold_us (our join), vllm_us (vLLM's), saved_us = vllm - fold, saved = saved_us / vllm_us."""
-    if schedule not in ("sequential", "dual_stream"):
-        raise ValueError(f"schedule: {schedule!r} is not one of 'sequential', 'dual_stream'")
+def join_savings(rows, *, preset: str, rank: int, schedule: str = VLLM_JOIN_ROWS[0]) -> list[dict]:
+    """Per M: fold_us (our join), vllm_us (vLLM's), saved_us = vllm - fold, saved = saved_us / vllm_us;
+    ``schedule``: a row that runs both joins (``summary.VLLM_JOIN_ROWS``)."""
+    if schedule not in VLLM_JOIN_ROWS:
+        raise ValueError(f"schedule: {schedule!r} is not one of {', '.join(repr(s) for s in VLLM_JOIN_ROWS)}")
     out = []
-    for r in variant_table(rows, preset=preset, rank=rank, variants=(schedule, f"{schedule}_vllm_join")):
-        fold, vllm = r[schedule], r[f"{schedule}_vllm_join"]
+    for r in variant_table(rows, preset=preset, rank=rank, variants=(schedule, vllm_join_variant(schedule))):
+        fold, vllm = r[schedule], r[vllm_join_variant(schedule)]
         out.append(dict(M=r["M"], fold_us=fold, vllm_us=vllm, saved_us=vllm - fold, saved=(vllm - fold) / vllm))
     return out
 
 
-def draw_join_savings(ax, rows, *, preset: str, ranks, schedules=("sequential", "dual_stream"),
+def draw_join_savings(ax, rows, *, preset: str, ranks, schedules=VLLM_JOIN_ROWS,
                       predicted=None, share: bool = False) -> None:
     """What our join saves against vLLM's per M, one line per (rank, schedule).
 
@@ -90,7 +93,7 @@ def draw_join_savings(ax, rows, *, preset: str, ranks, schedules=("sequential", 
     ``predicted``: [(M, µs)] drawn as a dashed line (e.g. join_traffic bytes / copy rate).
     ``share=True``: the saving as a share of the vLLM-join layer (%, linear, negative where vLLM's
     join was faster), ``predicted`` ignored."""
-    colors = {"sequential": "#1f77b4", "dual_stream": "#2ca02c"}
+    colors = {name: (SCHEDULES[name].style or {}).get("color") for name in VLLM_JOIN_ROWS}   # the rows' own
     markers = {r: m for r, m in zip(ranks, ("o", "s", "^", "D"))}
     tokens = []
     for rank in ranks:
@@ -103,7 +106,7 @@ def draw_join_savings(ax, rows, *, preset: str, ranks, schedules=("sequential", 
             if pts:
                 ax.plot(*zip(*pts), color=colors.get(sched), marker=markers[rank],
                         linestyle="-" if rank == ranks[0] else ":",
-                        label=f"r={rank}, {'two streams' if sched == 'dual_stream' else 'one stream'}")
+                        label=f"r={rank}, {_streams(SCHEDULES[sched])}")
     if share:
         ax.axhline(0, color="black", linewidth=0.8)
         ax.set_ylabel("saved, % of the vLLM-join layer", fontsize=FONT)
@@ -144,7 +147,7 @@ def sweep_rule_config(path: str, preset, op: str, rank: int, M: int, loras: int,
     """The tiles ``dispatch.gpu_config`` gives ``path`` today for one case of the H200 sweeps (the sweep's
     routing of M tokens over ``loras`` adapters, a GPU of ``sms`` SMs)."""
     from ..config import MoEShape
-    from ..dispatch import gpu_config
+    from ..op.dispatch import gpu_config
     from .traffic import sweep_workload
 
     shape = MoEShape.from_name(preset) if isinstance(preset, str) else preset
@@ -184,7 +187,7 @@ def path_choice_table(rows) -> list[dict]:
     (``one_shot_us``, ``two_kernel_us``), what ``dispatch.choose_path`` picks (``auto``) and
     ``auto_over_best``: the best time of the picked path over the best of both."""
     from ..config import MoEShape
-    from ..dispatch import choose_path
+    from ..op.dispatch import choose_path
 
     best: dict = {}
     for r in rows:

@@ -4,19 +4,40 @@ from __future__ import annotations
 from pathlib import Path
 
 from .bench import log_axes, plot_band, select
+from ..layer.table import AUTO, AUTO_GPU, SCHEDULES
 from ..results import label
+from ..summary import KERNEL_ROWS, SIDE_PLAN_ROWS, VLLM_JOIN_ROWS, side_plan_variant, vllm_join_variant
 
-VARIANT_STYLE = {
-    "no_lora": dict(color="black", marker="o", label="no LoRA"),
-    "sequential": dict(color="#1f77b4", marker="s", label="LoRA, one stream"),
-    "dual_stream": dict(color="#2ca02c", marker="^", label="LoRA, two streams (folded join)"),
-    "dual_stream_side": dict(color="#17becf", marker="^", linestyle=":",
-                             label="two streams, the LoRA path by the side stream's rule"),
-    "fused": dict(color="#ff7f0e", marker="D", label="LoRA inside the base GEMMs"),
-    "epilogue": dict(color="#8c564b", marker="v", label="shrink once, expand in the GEMM epilogue"),
-    "sequential_vllm_join": dict(color="#9467bd", marker="s", linestyle="--", label="one stream, vLLM join"),
-    "dual_stream_vllm_join": dict(color="#d62728", marker="^", linestyle="--", label="two streams, vLLM join"),
-}
+SIDE_PLAN_COLORS = ("#17becf",)            # the side-plan variants, in row order
+VLLM_JOIN_COLORS = ("#9467bd", "#d62728")   # the vLLM-join variants, in row order
+
+
+def _streams(row) -> str:
+    return {1: "one stream", 2: "two streams"}.get(row.streams, f"{row.streams} streams")
+
+
+def _variant_styles() -> dict:
+    """Every layer variant's style: no LoRA, each row's own (``style``), its side-plan variant beside it,
+    then the vLLM-join variants (the row's marker, dashed)."""
+    styles = {"no_lora": dict(color="black", marker="o", label="no LoRA")}
+    for name, row in SCHEDULES.items():
+        styles[name] = dict(row.style or dict(label=name))
+        if name in SIDE_PLAN_ROWS:
+            i = SIDE_PLAN_ROWS.index(name)
+            styles[side_plan_variant(name)] = dict(
+                color=SIDE_PLAN_COLORS[i % len(SIDE_PLAN_COLORS)], marker=styles[name].get("marker"), linestyle=":",
+                label=f"{_streams(row)}, the LoRA path by the side stream's rule")
+    for i, name in enumerate(VLLM_JOIN_ROWS):
+        row = SCHEDULES[name]
+        styles[vllm_join_variant(name)] = dict(
+            color=VLLM_JOIN_COLORS[i % len(VLLM_JOIN_COLORS)], marker=(row.style or {}).get("marker"), linestyle="--",
+            label=f"{_streams(row)}, vLLM join")
+    return styles
+
+
+VARIANT_STYLE = _variant_styles()
+# what draw_layer_times draws by default: every variant on the weights as given (no pack_in_k copy)
+LAYER_VARIANTS = tuple(v for v in VARIANT_STYLE if v not in SCHEDULES or not SCHEDULES[v].needs_pack)
 
 
 def _timed(rows):
@@ -31,7 +52,7 @@ def _variant_lines(ax, rows, *, preset, rank, variants, styles):
             plot_band(ax, sel, dict(styles.get(v, dict(label=v))))
 
 
-def draw_layer_times(ax, rows, *, preset, rank, variants=tuple(VARIANT_STYLE)):
+def draw_layer_times(ax, rows, *, preset, rank, variants=LAYER_VARIANTS):
     """Layer time against M for each variant (log-log, spanning four decades of M), with the p20-p80
     band. Differences of a few percent vanish on these axes: for what LoRA costs, draw
     ``draw_lora_overhead`` (linear ratios)."""
@@ -40,7 +61,7 @@ def draw_layer_times(ax, rows, *, preset, rank, variants=tuple(VARIANT_STYLE)):
     ax.legend(fontsize=9)
 
 
-def lora_overhead(rows, *, preset, rank, variant="dual_stream"):
+def lora_overhead(rows, *, preset, rank, variant=AUTO_GPU):
     """[(M, variant time / no-LoRA time)] for the cases where both were timed."""
     timed = _timed(rows)
     base = {r["M"]: r["us_median"] for r in select(timed, preset=preset, rank=rank, variant="no_lora")}
@@ -49,14 +70,14 @@ def lora_overhead(rows, *, preset, rank, variant="dual_stream"):
             if r["M"] in base]
 
 
-def draw_lora_overhead(ax, rows, *, preset, ranks, variants=("sequential", "dual_stream", "auto"), band=True,
+def draw_lora_overhead(ax, rows, *, preset, ranks, variants=(*KERNEL_ROWS.values(), AUTO), band=True,
                        legend=True):
     """LoRA layer time / no-LoRA layer time against M (linear ratio, M on a log2 axis), one line per
     (rank, variant) with, given ``band``, the variant's p20-p80 over the no-LoRA median shaded.
     ``auto`` is drawn as open rings only, so it sits on the schedule it ran. ``legend`` puts the
     legend outside the axes, on the right. Returns the number of lines drawn."""
-    styles = dict(VARIANT_STYLE, auto=dict(color="black", marker="o", markersize=9, markerfacecolor="none",
-                                           linestyle="none", label="LoRA, schedule='auto'"))
+    styles = dict(VARIANT_STYLE, **{AUTO: dict(color="black", marker="o", markersize=9, markerfacecolor="none",
+                                               linestyle="none", label=f"LoRA, schedule={AUTO!r}")})
     timed, drawn, ms = _timed(rows), 0, set()
     for rank in ranks:
         base = {r["M"]: r["us_median"] for r in select(timed, preset=preset, rank=rank, variant="no_lora")}
@@ -70,7 +91,7 @@ def draw_lora_overhead(ax, rows, *, preset, ranks, variants=("sequential", "dual
             style["alpha"] = 1.0 if rank == ranks[0] else 0.6
             xs = [r["M"] for r in sel]
             ax.plot(xs, [r["us_median"] / base[r["M"]] for r in sel], **style)
-            if band and v != "auto" and all(r.get("us_p20") not in ("", None) for r in sel):
+            if band and v != AUTO and all(r.get("us_p20") not in ("", None) for r in sel):
                 ax.fill_between(xs, [r["us_p20"] / base[r["M"]] for r in sel],
                                 [r["us_p80"] / base[r["M"]] for r in sel], color=style.get("color", "gray"),
                                 alpha=0.15, linewidth=0)
@@ -180,17 +201,18 @@ def overlap_table(traces) -> list[dict]:
         m = t["meta"]
         cases.setdefault((m["preset"], m["M"], m["rank"]), {})[m["schedule"]] = t
     rows = []
+    one, two = KERNEL_ROWS[1], KERNEL_ROWS[2]                  # the op's LoRA kernels on one stream and on two
     for (preset, M, rank), both in sorted(cases.items()):
-        if not {"sequential", "dual_stream"} <= set(both):
+        if not {one, two} <= set(both):
             continue
-        seq = overlap_metrics(both["sequential"]["records"])
-        dual = overlap_metrics(both["dual_stream"]["records"])
-        rows.append(dict(preset=preset, M=M, rank=rank, lora_path=both["dual_stream"]["meta"].get("lora_path", ""),
+        seq = overlap_metrics(both[one]["records"])
+        dual = overlap_metrics(both[two]["records"])
+        rows.append(dict(preset=preset, M=M, rank=rank, lora_path=both[two]["meta"].get("lora_path", ""),
                          overlap=dual["overlap"], seq_us=seq["critical_path_us"], dual_us=dual["critical_path_us"],
                          alone_us=seq["serial_sum_us"],
                          lora_seq_us=seq["side_busy_us"], lora_dual_us=dual["side_busy_us"],
                          hidden=(seq["critical_path_us"] - dual["critical_path_us"]) / seq["side_busy_us"],
-                         floor_us=both["dual_stream"]["meta"].get("floor_us")))
+                         floor_us=both[two]["meta"].get("floor_us")))
     return rows
 
 

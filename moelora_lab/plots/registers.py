@@ -15,8 +15,8 @@ from matplotlib.axes import Axes
 from matplotlib.patches import Rectangle
 
 from ..config import MoEShape
-from ..dispatch import KernelConfig
-from ..paths import resolve_path
+from ..op.dispatch import KernelConfig
+from ..op.paths import resolve_path
 from ..validate import check_choice, check_int, check_rows
 from ..profile.report import WARPS_PER_SM
 from .bench import PATH_STYLE, plot_band
@@ -155,7 +155,7 @@ def draw_occupancy_vs_rank(ax, rows, *, block_m: int, legend: bool = True) -> No
 
 def auto_path(preset: str, op: str, M: int, rank: int, num_loras: int) -> str:
     """The path ``path="auto"`` runs now for the benchmark's LoRA op at (preset, op, M, rank): the current
-    rule (:func:`moelora_lab.paths.resolve_path`) with the arguments ``bench kernels`` passes it."""
+    rule (:func:`moelora_lab.op.paths.resolve_path`) with the arguments ``bench kernels`` passes it."""
     check_choice("op", op, ("w13", "w2"))
     shape = MoEShape.from_name(preset)
     return resolve_path("auto", num_pairs=check_int("M", M, low=1) * shape.top_k, num_experts=shape.num_experts,

@@ -17,7 +17,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from ..validate import FLOAT_DTYPES, INDEX_DTYPES, check_bool, check_int, check_range, check_tensor
-from ..routing import Alignment
+from ..routing.host import Alignment
 from .routing_data import _check_alignment, _check_list, _last_naive_tokens, find_crossover, padding_stats
 
 PAD_STYLE = dict(facecolor="#e4e4e4", edgecolor="#8c8c8c", hatch="///")

@@ -12,7 +12,7 @@ import torch
 
 from ..validate import INDEX_DTYPES, check_int, check_range, check_tensor
 from ..config import LoRAShape, MoEShape, make_problem
-from ..routing import Alignment, align_block_size, use_naive_assignment
+from ..routing.host import Alignment, align_block_size, use_naive_assignment
 
 COST_KEYS = ("num_tokens", "naive_loads", "sorted_loads")
 

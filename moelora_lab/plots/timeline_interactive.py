@@ -24,6 +24,7 @@ from types import MappingProxyType
 from IPython.display import display
 
 from ..config import MoEShape
+from ..layer.table import SCHEDULES as ROWS
 from ..profile.profiler import kernel_label
 from ..profile.timeline import bench_workload, overlap_metrics, stage_model
 from ..profile.traffic import layer_traffic
@@ -33,7 +34,11 @@ from .timeline import STAGE_COLORS
 
 OTHER_COLOR = "#9467bd"                               # a stage STAGE_COLORS does not know
 LANE_ROWS = {"main": "main", "lora": "side"}         # record stream -> row suffix of a two-stream run
-SCHEDULES = {"sequential": ("1 stream", 1), "dual_stream": ("2 streams", 2), "fused": ("fused", 1)}
+# schedule -> (label, streams drawn) from its row: the op's LoRA kernels are named by their streams, others by name
+SCHEDULES = {name: (f"{row.streams} stream{'s' * (row.streams > 1)}" if row.lora_paths is None else name, row.streams)
+             for name, row in ROWS.items()}
+# what case_figure draws by default: the op's LoRA kernels on one and two streams, and the LoRA inside the GEMMs
+DEFAULT_SCHEDULES = tuple(name for name, row in ROWS.items() if row.lora_paths is None or row.gemm_lora_tiles)
 # plotly's display options: the wheel zooms along time, no logo, no lasso/box selection. Pass a copy
 # (dict(CONFIG)): plotly's to_html adds "responsive" to the dict it is given, and a responsive figure
 # of auto height collapses to nothing in JupyterLab's output area.
@@ -209,10 +214,11 @@ def case_copy_tbps(meta: Mapping) -> float | None:
     return layer_traffic(shape, meta["rank"], work)["floor"].bytes / meta["floor_us"] / 1e6
 
 
-def case_figure(traces: Mapping, preset: str, M: int, rank: int, *, schedules=tuple(SCHEDULES),
+def case_figure(traces: Mapping, preset: str, M: int, rank: int, *, schedules=DEFAULT_SCHEDULES,
                 copy_tbps: float | None = None, title: str | None = None):
     """``timeline_figure`` of one case of ``traces`` (name -> {"meta", "records"}, as ``load_traces``
-    gives): every schedule of ``schedules`` traced for it, labelled "1 stream", "2 streams", "fused";
+    gives): every schedule of ``schedules`` (rows of ``layer.SCHEDULES``) traced for it, labelled as in
+    ``SCHEDULES`` ("1 stream", "2 streams" for the op's LoRA kernels, else the schedule's name);
     each run's bytes, kernels and tiles from ``profile.timeline.stage_model`` of its meta; the byte floor
     and the copy rate from the meta (``case_copy_tbps``; ``copy_tbps`` overrides it); the title names
     the case and the data's provenance."""
@@ -247,7 +253,7 @@ def trace_file_figure(path, *, cases=None, max_cases: int = 4, title: str | None
     two rows where a case has the lanes "main" and "lora", else one; bytes and tiles where a case's meta
     is a benchmark's (``stage_model``)."""
     from ..profile.timeline import MODEL_KEYS
-    from ..profile.trace_events import load_trace_events
+    from ..profile.trace_events import ONE_STREAM, load_trace_events
 
     traces = load_trace_events(path)
     if cases is None:
@@ -262,7 +268,7 @@ def trace_file_figure(path, *, cases=None, max_cases: int = 4, title: str | None
         t = traces[case]
         lanes = {r["stream"] for r in t["records"]}
         model = all(k in t["meta"] for k in MODEL_KEYS)
-        two = lanes <= set(LANE_ROWS) and len(lanes) == 2 and t["meta"].get("schedule") not in ("sequential", "fused")
+        two = lanes <= set(LANE_ROWS) and len(lanes) == 2 and t["meta"].get("schedule") not in ONE_STREAM
         runs.append((case, t["records"], 2 if two else 1,
                      stage_model(t["meta"]) if model else {}))
         rates.append(case_copy_tbps(t["meta"]) if model else None)

@@ -54,9 +54,9 @@ def one_shot_report(rank: int, *, block_m: int = 64, max_block_r: int = 128, hid
     if not torch.cuda.is_available() or INTERPRET:
         raise RuntimeError("one_shot_report needs a CUDA GPU (registers exist only for compiled kernels)")
     from ..config import LoRAShape, MoEShape, make_problem
-    from ..dispatch import CONFIGS
-    from ..paths import LoRACall, launch_one_shot
-    from ..routing import block_list
+    from ..op.dispatch import CONFIGS
+    from ..op.paths import LoRACall, launch_one_shot
+    from ..routing.host import block_list
 
     p = make_problem(MoEShape(hidden, inter, 8, 2, "report"), LoRAShape(1, rank), 64, dtype=dtype,
                      device="cuda", with_base=False, adapter_popularity="identical")

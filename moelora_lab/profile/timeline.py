@@ -20,15 +20,17 @@ from pathlib import Path
 import torch
 
 from ..config import MoEShape, benchmark_routing
-from ..dispatch import gpu_config
-from ..moe import fused_columns, gpu_gemm_tiles
+from ..op.dispatch import gpu_config
+from ..layer.table import SCHEDULES
+from ..base_moe import fused_columns, gpu_gemm_tiles
 from .traffic import Traffic, count_workload, layer_traffic
 
 H200_SMS = 132          # streaming multiprocessors of an NVIDIA H200: an input of the LoRA tile rule
 MODEL_KEYS = ("preset", "M", "rank", "loras", "schedule", "lora_path")
+# the kind of every stage a row of ``layer.SCHEDULES`` records (a test keeps it covering them all)
 STAGE_KINDS = {"base_w13": "base_gemm", "base_w2": "base_gemm", "lora_w13": "lora", "lora_w2": "lora",
                "act": "join", "sum": "join", "w13+lora": "fused_gemm", "w2+lora": "fused_gemm",
-               "shrink_w13": "lora", "shrink_w2": "lora"}
+               "shrink_w13": "lora", "shrink_w2": "lora", "act+lora": "join", "sum+lora": "join"}
 LORA_KERNELS = {"one_shot": "one_shot_kernel", "two_kernel": "shrink_kernel, expand_kernel",
                 "small_batch": "small_batch_kernel"}
 
@@ -154,21 +156,48 @@ def _lora_tiles(path: str, P: int, groups: int, n_out: int, slices: int, sms: in
     return dict({key: v for key, v in vars(cfg).items() if v is not None}, BLOCK_R=block_r, RANK_TILES=rank_tiles)
 
 
+def _expands_in_gemm(row) -> bool:
+    """Whether a row's base GEMMs expand the LoRA after a shrink of its own (a GEMM stage carries it)."""
+    return not row.gemm_lora_tiles and any(STAGE_KINDS.get(s) == "fused_gemm" for s in row.stage_names)
+
+
+def recorded_lora_path(schedule: str, plan_path: str | None) -> str | None:
+    """The ``lora_path`` the benchmarks record (CSV column, trace meta) for a run of ``schedule`` whose plan
+    took ``plan_path``: "in_gemm" where the base GEMMs carry the whole LoRA, the schedule's name where its
+    GEMMs expand the LoRA after its own shrink, else the plan's path (for a schedule that is no row too)."""
+    row = SCHEDULES.get(schedule)
+    if row is not None and row.gemm_lora_tiles:
+        return "in_gemm"
+    if row is not None and _expands_in_gemm(row):
+        return schedule
+    return plan_path
+
+
+def _tail(name: str, nbytes: int, *, write: bool) -> Traffic:
+    """One named read or write of ``nbytes`` alone (no FLOPs, no launch)."""
+    return Traffic(0 if write else nbytes, nbytes if write else 0, 0, 0, ((name, nbytes),))
+
+
 def stage_model(meta: dict, *, sms: int = H200_SMS) -> dict[str, dict]:
     """Bytes and tiles of every stage of one benchmark trace, from the case's ``meta`` alone.
 
     meta: preset, M, rank, loras (L), schedule, lora_path and optionally seed (default 0); bf16 (2 bytes).
-    Returns stage -> {"kind", "kernel", "bytes", "bytes_read", "bytes_written", "tiles"}, where
+    Returns stage -> {"kind", "kernel", "bytes", "bytes_read", "bytes_written", "tiles"}, the stages in the
+    order of the schedule's row of ``layer.SCHEDULES`` (a schedule that is no row: the op's LoRA kernels).
     bytes: ``layer_traffic`` of the benchmarks' routing (``bench_workload``): a lower bound of the HBM
-    bytes. The fused schedule's w13+lora / w2+lora move the base GEMM's bytes plus every touched
-    (adapter, expert)'s LoRA weights once; its act and sum read no LoRA deltas. The epilogue schedule's
-    shrink_w13 / shrink_w2 move the two-kernel shrink's bytes (x rows, A, T written), its w13+lora /
-    w2+lora the base GEMM's plus B and T read.
-    tiles: ``gpu_gemm_tiles(P / E)`` for the base GEMMs (``lora=True`` and BLOCK_LR for the fused ones);
-    for the LoRA ops the ``KernelConfig`` of ``gpu_config(path, P, groups, N, S, sms, rank=r)`` (w13:
-    N = I, S = 2; w2: N = H, S = 1; ``side_stream`` for the dual_stream schedule) with its BLOCK_R and
-    RANK_TILES; unset fields (None) left out; none for act and sum (the row-wise kernels have no tile
-    rule). ``sms``: the GPU's SMs (132 on an NVIDIA H200).
+    bytes. Where the base GEMMs carry the whole LoRA (``fused``), w13+lora / w2+lora move the base GEMM's
+    bytes plus every touched (adapter, expert)'s LoRA weights once; act and sum read no LoRA deltas. Where
+    the GEMMs expand after a shrink per pair (``epilogue``), shrink_w13 / shrink_w2 move the two-kernel
+    shrink's bytes (x rows, A, T written), w13+lora / w2+lora the base GEMM's plus B and T read. With the
+    LoRA in the GEMMs' K (``in_k``) the shrinks write T of every pair, L*r columns (zeros outside its
+    adapter's r), and each GEMM reads its base weights plus the packed B columns of every slot of every
+    touched expert and that T tail. A row whose stages the byte model lacks raises ValueError.
+    tiles: ``gpu_gemm_tiles(P / E)`` for the base GEMMs (``lora=True`` and BLOCK_LR for the fused ones,
+    BLOCK_LR for the epilogue's); for the LoRA ops the ``KernelConfig`` of ``gpu_config(path, P, groups,
+    N, S, sms, rank=r)`` (w13: N = I, S = 2; w2: N = H, S = 1; ``side_stream`` for a row on two streams)
+    with its BLOCK_R and RANK_TILES, the shrinks of the GEMM-expanding rows the two-kernel path's; unset
+    fields (None) left out; none for act and sum (the row-wise kernels have no tile rule). ``sms``: the
+    GPU's SMs (132 on an NVIDIA H200).
     """
     if not isinstance(meta, dict):
         raise TypeError(f"meta: expected a dict (a trace's 'meta'), got {type(meta).__name__}")
@@ -181,38 +210,59 @@ def stage_model(meta: dict, *, sms: int = H200_SMS) -> dict[str, dict]:
                          f"got {sms!r}")
     shape = MoEShape.from_name(meta["preset"])
     M, r, L, schedule, path = meta["M"], meta["rank"], meta["loras"], meta["schedule"], meta["lora_path"]
+    row = SCHEDULES.get(schedule)
     work = bench_workload(shape, M, L, meta.get("seed", 0))
     P, E, H, I = M * shape.top_k, shape.num_experts, shape.hidden, shape.intermediate
-    if schedule == "fused":
+    kernels = {"base_gemm": "moe_gemm_kernel", "fused_gemm": "moe_gemm_kernel (with LoRA)",
+               "shrink_w13": "shrink_kernel", "shrink_w2": "shrink_kernel",
+               "lora": LORA_KERNELS.get(path, path), "act": "silu_and_mul_kernel", "sum": "topk_sum_kernel"}
+    if row is not None and row.gemm_lora_tiles:
         lora, base = layer_traffic(shape, r, work), layer_traffic(shape, r, work, with_lora=False)
         traffic = {"w13+lora": base["base_w13"] + _lora_weights(lora["lora_w13"]), "act": base["act"],
                    "w2+lora": base["base_w2"] + _lora_weights(lora["lora_w2"]), "sum": base["sum"]}
         fused = dict(gpu_gemm_tiles(P / E, lora=True), BLOCK_LR=fused_columns(L, r))
         tiles = {"w13+lora": fused, "w2+lora": fused}
-    elif schedule == "epilogue":
+    elif row is not None and _expands_in_gemm(row):
         # the two-kernel path's shrink alone, then the base GEMM reading T and the B weights
         lora = layer_traffic(shape, r, work, lora_path="two_kernel")
         base = layer_traffic(shape, r, work, with_lora=False)
         traffic = {}
-        for op in ("w13", "w2"):
+        for op, n_out, slices in (("w13", I, 2), ("w2", H, 1)):
             t = lora[f"lora_{op}"]
-            traffic[f"shrink_{op}"] = _parts(t, ("x", "lora_a"), ("intermediate_write",))
-            traffic[f"{op}+lora"] = base[f"base_{op}"] + _parts(t, ("lora_b", "intermediate_read"), ())
+            shrink = _parts(t, ("x", "lora_a"), ("intermediate_write",))
+            expand = _parts(t, ("lora_b", "intermediate_read"), ())
+            if row.needs_pack:
+                # T [S, P, L*r] of every pair (bf16) and the B of every slot packed beside each touched expert's W
+                tail = slices * P * L * r * 2
+                shrink = _parts(t, ("x", "lora_a"), ()) + _tail("tail_write", tail, write=True)
+                expand = (_tail("lora_b_packed", work.touched_experts * slices * n_out * L * r * 2, write=False)
+                          + _tail("tail_read", tail, write=False))
+            traffic[f"shrink_{op}"] = shrink
+            traffic[f"{op}+lora"] = base[f"base_{op}"] + expand
         traffic.update(act=base["act"], sum=base["sum"])
-        expand = dict(gpu_gemm_tiles(P / E), BLOCK_LR=fused_columns(L, r))
-        tiles = {"w13+lora": expand, "w2+lora": expand}
+        gemm = dict(gpu_gemm_tiles(P / E), **({} if row.needs_pack else dict(BLOCK_LR=fused_columns(L, r))))
+        tiles = {"w13+lora": gemm, "w2+lora": gemm}
         for stage, n_out, slices in (("shrink_w13", I, 2), ("shrink_w2", H, 1)):
             tiles[stage] = _lora_tiles("two_kernel", P, min(P, L * E), n_out, slices, sms, r)
-        traffic = {s: traffic[s] for s in ("shrink_w13", "w13+lora", "act", "shrink_w2", "w2+lora", "sum")}
-    else:
+        if row.needs_pack:
+            kernels.update(shrink_w13="shrink_tail_kernel", shrink_w2="shrink_tail_kernel",
+                           fused_gemm="moe_gemm_kernel (K widened by L*r)")
+    elif row is None or row.lora_paths is None:
         traffic = layer_traffic(shape, r, work, lora_path=path)
         groups = P if path == "small_batch" else min(P, L * E)
         tiles = {"base_w13": gpu_gemm_tiles(P / E), "base_w2": gpu_gemm_tiles(P / E)}
+        side = row is not None and row.streams > 1
         for stage, n_out, slices in (("lora_w13", I, 2), ("lora_w2", H, 1)):
-            tiles[stage] = _lora_tiles(path, P, groups, n_out, slices, sms, r, side_stream=schedule == "dual_stream")
-    kernels = {"base_gemm": "moe_gemm_kernel", "fused_gemm": "moe_gemm_kernel (with LoRA)",
-               "shrink_w13": "shrink_kernel", "shrink_w2": "shrink_kernel",
-               "lora": LORA_KERNELS.get(path, path), "act": "silu_and_mul_kernel", "sum": "topk_sum_kernel"}
+            tiles[stage] = _lora_tiles(path, P, groups, n_out, slices, sms, r, side_stream=side)
+    else:
+        raise ValueError(f"meta: schedule {schedule!r} records the stages {', '.join(row.stage_names)}, which the "
+                         "byte model does not cover")
+    if row is not None:
+        lacking = [stage for stage in row.stage_names if stage not in traffic]
+        if lacking:
+            raise ValueError(f"meta: schedule {schedule!r} records the stages {', '.join(lacking)}, which the byte "
+                             "model does not cover")
+        traffic = {stage: traffic[stage] for stage in row.stage_names}     # the row's stages, in its launch order
     model = {}
     for stage, t in traffic.items():
         if stage in ("total", "floor"):

@@ -5,7 +5,8 @@ Shape legend: M tokens, E experts, k top-k, L adapters, r rank, H hidden, I inte
 Written as ``{"displayTimeUnit": "ns", "traceEvents": [...], "otherData": {...}}`` (no other top-level
 keys: some readers stop at unknown ones). One process (pid) per case, named after it, with M, r,
 schedule and LoRA path as its labels; one thread (tid) per CUDA stream the schedule used: "main
-stream", and "side stream" for dual_stream (the other schedules run every stage on the main stream).
+stream", and "side stream" for a row of ``layer.SCHEDULES`` on two streams (the others run every stage on
+the main stream).
 One complete event ("ph": "X") per stage: ts and dur in µs, cat the stage's kind, args lane (the
 tracer's "main" or "lora"), kernel, bytes, bytes_read, bytes_written, achieved_GBps, tiles (see
 ``timeline.stage_model``). otherData: producer, models, SM count, shared provenance, every case's meta.
@@ -23,12 +24,13 @@ import gzip
 import json
 from pathlib import Path
 
+from ..layer.table import SCHEDULES
 from .timeline import H200_SMS, STAGE_KINDS, achieved_gbps, stage_model
 from .trace_import import PRODUCER, THREADS, _is_number, load_trace_events
 
 __all__ = ["check_trace_events", "export_trace_files", "load_trace_events", "save_trace_events", "to_trace_events"]
 
-ONE_STREAM = ("sequential", "fused", "epilogue")  # schedules that run every stage on the main stream
+ONE_STREAM = tuple(name for name, row in SCHEDULES.items() if row.one_stream)   # every stage on the main stream
 PROVENANCE = ("gpu", "torch", "triton", "python", "date", "code", "command")
 METADATA = ("process_name", "process_labels", "process_sort_index", "thread_name", "thread_sort_index")
 TRAFFIC = ("kernel", "bytes", "bytes_read", "bytes_written")
@@ -108,7 +110,7 @@ def to_trace_events(traces, *, name: str | None = None, model: bool = True, sms:
     other |= {k: first[k] for k in PROVENANCE if k in first and all(m.get(k) == first[k] for m in metas.values())}
     if model:
         other |= {"sms": sms, "bytes": "moelora_lab.profile.traffic.layer_traffic, lower bound of HBM bytes",
-                  "tiles": "moelora_lab.dispatch.gpu_config, moelora_lab.moe.gpu_gemm_tiles"}
+                  "tiles": "moelora_lab.op.dispatch.gpu_config, moelora_lab.base_moe.gpu_gemm_tiles"}
     return {"displayTimeUnit": "ns", "traceEvents": events, "otherData": other | {"cases": metas}}
 
 

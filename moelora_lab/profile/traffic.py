@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..moe import rows_as_tile
-from ..paths import TRITON_PATHS
+from ..base_moe import rows_as_tile
+from ..op.paths import TRITON_PATHS
 from ..validate import INDEX_DTYPES, check_choice, check_int, check_range, check_tensor
 
 # the Triton paths of ``paths.PATHS`` plus a modelled PyTorch baseline (gather each pair's weights, then bmm)

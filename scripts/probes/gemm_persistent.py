@@ -91,7 +91,7 @@ def persistent_gemm(x, w, blocks, out, *, top_k: int, topk_weights=None, tiles: 
                     flatten: bool = True, programs: int | None = None):
     """out[p] = (w_p *) W[e_p] @ x_row(p) over ``blocks`` (whole tiles, ``used``: :func:`used_blocks`), one
     program per SM (or ``programs``)."""
-    from moelora_lab.moe import launch_tiles
+    from moelora_lab.base_moe import launch_tiles
 
     E, N, K = w.shape
     P = out.shape[0]
@@ -115,10 +115,10 @@ def persistent_gemm(x, w, blocks, out, *, top_k: int, topk_weights=None, tiles: 
 def main(out: str, tokens: list[int], presets: list[str], command: str) -> None:
     from plan_knobs import timed_rows       # the same interleaved timing and rows as the plan's probe
 
-    from moelora_lab.align import make_blocks
+    from moelora_lab.routing.device import make_blocks
     from moelora_lab.bench.common import base_weights, close, device, grouped_mm_fns, seeded_generator, sweep_routing
     from moelora_lab.config import MoEShape
-    from moelora_lab.moe import gemm_tiles, moe_gemm
+    from moelora_lab.base_moe import gemm_tiles, moe_gemm
     from moelora_lab.profile import timing
     from moelora_lab.results import write_csv
 

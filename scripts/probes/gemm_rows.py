@@ -26,10 +26,10 @@ import sys
 
 import torch
 
-from moelora_lab.align import make_blocks
+from moelora_lab.routing.device import make_blocks
 from moelora_lab.bench.common import base_weights, close, device, grouped_mm_fns, seeded_generator, sweep_routing
 from moelora_lab.config import MoEShape
-from moelora_lab.moe import gemm_tiles, moe_gemm, rows_computed
+from moelora_lab.base_moe import gemm_tiles, moe_gemm, rows_computed
 from moelora_lab.profile import timing
 from moelora_lab.results import write_csv
 

@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from moelora_lab import moe
+from moelora_lab import base_moe as moe
 from moelora_lab.bench.common import close, device, seeded_generator, sweep_routing
 from moelora_lab.config import MoEShape
 from moelora_lab.profile import timing

@@ -7,7 +7,7 @@ then their weights). This probe times, with the method of every table (CUDA grap
 ``triton.testing.do_bench``, L2 flushed, interleaved rounds), qwen3-30b-a3b at r 16 / 64 and M 1, 4, 16:
 
   act / act_delta                the plain activation, and with the two-stream layer's delta (its join)
-  act_lora                       the activation with the LoRA, the rule's tiles (``layer_in_join.join_block``)
+  act_lora                       the activation with the LoRA, the rule's tiles (``experiments.in_join.join_block``)
   act_lora_b<cols>_w<warps>      the same with 16..128 columns per program and 1, 2 or 4 warps
   sum / sum_delta / sum_lora     the top-k sum: plain, with the two-stream layer's delta, with the LoRA
 
@@ -26,8 +26,8 @@ import torch
 
 from moelora_lab.bench.common import close, device, seeded_generator, sweep_routing
 from moelora_lab.config import MoEShape, layer_lora_weights
-from moelora_lab.layer_in_join import act_lora, sum_lora
-from moelora_lab.moe import silu_and_mul, topk_sum
+from moelora_lab.experiments.in_join import act_lora, sum_lora
+from moelora_lab.base_moe import silu_and_mul, topk_sum
 from moelora_lab.profile import timing
 from moelora_lab.results import write_csv
 

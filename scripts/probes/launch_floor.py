@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from moelora_lab.align import chained_launches
+from moelora_lab.routing.device import chained_launches
 from moelora_lab.bench.common import device, sweep_routing
 from moelora_lab.config import MoEShape
 from moelora_lab.layer import plan_layer

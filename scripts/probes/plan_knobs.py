@@ -1,6 +1,6 @@
 """Probe: the routing plan's small rules at the sizes where the plan is near its budget.
 
-The three-launch plan (count, scan, place; ``moelora_lab/align.py``) has knobs that were each measured at some
+The three-launch plan (count, scan, place; ``moelora_lab/routing/device.py``) has knobs that were each measured at some
 sizes: pairs per chunk (``chunk_pairs``), the count kernel's warps (``count_warps``), groups per scan program
 (``SCAN_GROUPS``) and blocks per table program (``TABLE_BLOCKS``). This probe builds the layer's plan
 (qwen3-30b-a3b, 4 adapters, r 16, two streams) with one knob changed at a time, checks every plan equal to the
@@ -25,7 +25,7 @@ import sys
 
 import torch
 
-from moelora_lab import align
+from moelora_lab.routing import device as align
 from moelora_lab.bench.common import device, sweep_routing
 from moelora_lab.config import MoEShape
 from moelora_lab.layer import plan_layer

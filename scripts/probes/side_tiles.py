@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-import moelora_lab.dispatch as dispatch
+import moelora_lab.op.dispatch as dispatch
 from moelora_lab.bench.common import base_weights, device, seeded_generator, sweep_routing
 from moelora_lab.config import MoEShape, layer_lora_weights
 from moelora_lab.layer import moe_lora_layer, plan_layer

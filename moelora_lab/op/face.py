@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import torch
 
-from ._backend import INTERPRET, on_device
-from .align import make_blocks
-from .blocks import BlockList
+from .._backend import INTERPRET, on_device
+from ..routing.device import make_blocks
+from ..blocks import BlockList
 from .dispatch import KernelConfig, choice_rank, choose_config
 from .paths import PATHS, LoRACall, resolve_path
-from .validate import (check_blocks, check_bool, check_enabled, check_lora_ranks, check_op_inputs, check_output,
+from ..validate import (check_blocks, check_bool, check_enabled, check_lora_ranks, check_op_inputs, check_output,
                        check_tensor, check_values, routing_ranges)
 
 

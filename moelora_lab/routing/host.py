@@ -20,8 +20,8 @@ from typing import NamedTuple
 
 import torch
 
-from .blocks import BlockList, RoutingStamp
-from .validate import check_bool, check_int, check_routing, check_tensor
+from ..blocks import BlockList, RoutingStamp
+from ..validate import check_bool, check_int, check_routing, check_tensor
 
 SPARSITY_FACTOR = 8  # naive assignment when pairs * 8 <= E * L (vLLM's rule)
 

@@ -17,13 +17,13 @@ from typing import Callable, NamedTuple
 import torch
 import triton
 
-from .blocks import BlockList
+from ..blocks import BlockList
 from .dispatch import KernelConfig, choose_config, choose_path, choose_side_path, num_sms, one_shot_build_rule
-from .kernels.one_shot import one_shot_kernel
-from .kernels.small_batch import small_batch_kernel
-from .kernels.two_kernel import expand_kernel, shrink_kernel
-from .reference import moe_lora_reference
-from .validate import check_bool, check_int
+from ..kernels.one_shot import one_shot_kernel
+from ..kernels.small_batch import small_batch_kernel
+from ..kernels.two_kernel import expand_kernel, shrink_kernel
+from ..reference import moe_lora_reference
+from ..validate import check_bool, check_int
 
 
 class LoRACall(NamedTuple):

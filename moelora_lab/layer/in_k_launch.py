@@ -8,13 +8,15 @@ from __future__ import annotations
 import torch
 import triton
 
-from .dispatch import choose_config
-from .kernels.in_k import shrink_tail_kernel
-from .kernels.in_k_overlap import gemm_after_shrink_kernel
-from .moe import gemm_tiles, launch_tiles
-from .paths import _precision
+from .. import rules
+from ..op.dispatch import choose_config
+from ..kernels.in_k import shrink_tail_kernel
+from ..kernels.in_k_overlap import gemm_after_shrink_kernel
+from ..base_moe import gemm_tiles, launch_tiles
+from ..op.paths import _precision
 
-FILL_ROWS = 32        # pairs per zero-filling program of the shrink launch
+# The rule this module applies, also readable and settable under its old name here (``in_k_launch.FILL_ROWS``).
+rules.expose(__name__, ("FILL_ROWS",))
 
 
 def _shrink_parts(src, lora_a, plan, token_lora, top_k: int, tail, n_out: int, r: int, lora_ranks, *,
@@ -26,13 +28,13 @@ def _shrink_parts(src, lora_a, plan, token_lora, top_k: int, tail, n_out: int, r
     cfg = choose_config("two_kernel", P, min(P, L * E), n_out, S, src.device, rank=r)
     block_r, rank_tiles = cfg.rank_tiling(r)
     both = one_read and S == 2
-    grid = (blocks.num_blocks + triton.cdiv(P, FILL_ROWS), (1 if both else S) * rank_tiles)
+    grid = (blocks.num_blocks + triton.cdiv(P, rules.FILL_ROWS), (1 if both else S) * rank_tiles)
     args = (src, lora_a[0], lora_a[-1], tail, *blocks.tensors, token_lora.contiguous(),   # [M], read at ptr + t
             blocks.block_lora if lora_ranks is None else lora_ranks.contiguous(),
             P, blocks.num_blocks, top_k, K, r, LR, rank_tiles, src.stride(0), *lora_a[0].stride(), tail.stride(1),
             tail.stride(0))
     meta = dict(BLOCK_M=blocks.block_size, BLOCK_K=cfg.block_k, BLOCK_R=block_r, BLOCK_LR=triton.next_power_of_2(LR),
-                FILL_ROWS=FILL_ROWS, DOT_PRECISION=_precision(src), HAS_RANKS=lora_ranks is not None,
+                FILL_ROWS=rules.FILL_ROWS, DOT_PRECISION=_precision(src), HAS_RANKS=lora_ranks is not None,
                 TOKEN_ROWS=token_rows, BOTH_SLICES=both)
     return grid, args, meta, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 

@@ -14,46 +14,45 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import choose_config
-from .moe import GemmLoRA, gemm_tiles, moe_gemm, silu_and_mul, topk_sum
-from .paths import launch_shrink
-from .streams import Streams
+from ..op.dispatch import choose_config
+from ..layer.streams import Streams
+from ..layer.table import LayerCall
+from ..layer.two_kernel import buffers
+from ..base_moe import GemmLoRA, moe_gemm, silu_and_mul, topk_sum
+from ..op.paths import launch_shrink
 
 
-def buffers(x, M: int, k: int, H: int, I: int):
-    """The layer's activations, uninitialised, on the current stream: c1 [P, 2I], h [P, I], c3 [P, H], y [M, H]."""
-    P = M * k
-    return tuple(torch.empty(*shape, dtype=x.dtype, device=x.device) for shape in ((P, 2 * I), (P, I), (P, H), (M, H)))
-
-
-def fused_layer(x, topk_ids, weights, token_lora, w13, w2, blocks, *, tiles, lora13, lora2, tracer):
+def run_fused(call: LayerCall) -> torch.Tensor:
     """The ``fused`` schedule: four launches, the LoRA computed inside the two grouped GEMMs."""
-    M, k = topk_ids.shape
-    streams = Streams(False, x.device, tracer)
-    c1, h, c3, y = buffers(x, M, k, w2.shape[1], w2.shape[2])
+    M, k, E, H, I, L, r = call.dims
+    x, plan = call.x, call.plan
+    a13, b13, a2, b2 = call.lora
+    lora13 = GemmLoRA(call.token_lora32, a13, b13, call.lora_ranks)
+    lora2 = GemmLoRA(call.token_lora32, a2, b2, call.lora_ranks)
+    streams = Streams(False, x.device, call.tracer)
+    c1, h, c3, y = buffers(x, M, k, H, I)
     with streams.stage("w13+lora", "main"):
-        moe_gemm(x, w13, blocks, c1, top_k=k, tiles=tiles, lora=lora13)
+        moe_gemm(x, call.w13, plan.base_blocks, c1, top_k=k, tiles=plan.tiles, lora=lora13)
     with streams.stage("act", "main"):
         silu_and_mul(c1, h, top_k=k)
     with streams.stage("w2+lora", "main"):
-        moe_gemm(h, w2, blocks, c3, top_k=k, topk_weights=weights, tiles=tiles, lora=lora2)
+        moe_gemm(h, call.w2, plan.base_blocks, c3, top_k=k, topk_weights=call.weights, tiles=plan.tiles, lora=lora2)
     with streams.stage("sum", "main"):
         topk_sum(c3, y, top_k=k)
     return y
 
 
-def epilogue_layer(x, topk_ids, weights, token_lora, w13, w2, lora, plan, lora_ranks, tracer):
+def run_epilogue(call: LayerCall) -> torch.Tensor:
     """The ``epilogue`` schedule: each op's shrink once per pair into T, the expand inside the GEMM."""
-    M, k = topk_ids.shape
-    E, H, I = w2.shape
+    M, k, E, H, I, L, r = call.dims
+    x, plan, lora_ranks, token_lora = call.x, call.plan, call.lora_ranks, call.token_lora32
     P = M * k
-    a13, b13, a2, b2 = lora
-    L, _, r, _ = a13[0].shape
-    streams = Streams(False, x.device, tracer)
+    a13, b13, a2, b2 = call.lora
+    streams = Streams(False, x.device, call.tracer)
     c1, h, c3, y = buffers(x, M, k, H, I)
-    tiles = gemm_tiles(P, E)
+    tiles = plan.tiles
     blocks = plan.lora_blocks
-    ops = (("w13", x, a13, b13, c1, 2, w13, None), ("w2", h, a2, b2, c3, 1, w2, weights))
+    ops = (("w13", x, a13, b13, c1, 2, call.w13, None), ("w2", h, a2, b2, c3, 1, call.w2, call.weights))
     for op, src, a, b, out, slices, w, mul in ops:
         cfg = choose_config("two_kernel", P, min(P, L * E), b[0].shape[2], slices, x.device, rank=r)
         t = x.new_empty(slices, P, r)          # written where the expand reads: pairs with an adapter, ranks below

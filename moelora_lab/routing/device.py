@@ -16,45 +16,16 @@ import contextlib
 import torch
 import triton
 
-from ._backend import INTERPRET, on_device
-from .blocks import BlockList, RoutingStamp
-from .kernels.align import count_kernel, place_kernel, recount_kernel, scan_kernel, sort_kernel
-from .routing import block_tensors, max_blocks
-from .validate import check_int, check_routing
+from .. import rules
+from .._backend import INTERPRET, on_device
+from ..blocks import BlockList, RoutingStamp
+from ..kernels.align import count_kernel, place_kernel, recount_kernel, scan_kernel, sort_kernel
+from .host import block_tensors, max_blocks
+from ..validate import check_int, check_routing
 
-SORT_MAX_PAIRS = 256       # up to here one program per list sorts all pairs in registers (one launch; on the
-                           # H200 the plan of 256 pairs took 8.2 µs sorted, 9.0 in three chained launches; of 512
-                           # pairs 9.5 and 9.3, of 1024 pairs 12.0 and 9.9)
-RECOUNT_MAX_PAIRS = 512    # beyond, up to here one launch whose programs each count all pairs themselves (on the
-                           # H200 the layer's plan of 512 pairs took 8.1 µs recounted, 9.2 in three launches and 9.5
-                           # sorted; of 1024 pairs 9.5 recounted against 9.3; of 4096, 21 against 10.4)
-RECOUNT_SUB = 32           # pairs per chunk program of the recount
-HIST_PAIRS = 512           # pairs per histogram step of the recount (1024 took 1.4 µs more at 512 pairs)
-RECOUNT_WARPS = 4
-# Not kept: two launches, a one-byte tally of 128-pair chunks and then placing programs that each scan the
-# whole tally themselves. The repeated scan grows with the pairs in every program: on the H200 the layer's
-# plan of 1024 pairs took 12.4 µs at best (9.0 in three launches), of 4096 pairs 29.6 (10.2).
-# Not kept either: each chunk counted by ``tl.histogram`` in one row store, without the zero fill, barrier and
-# compares (on the H200 the layer's plan of 4096 pairs took 11.2 µs against 10.6, of 65536 pairs 18.6 against 19.5).
-# Nor one launch whose programs (at most one per SM) count, scan and place in turn with a grid-wide wait (an atomic
-# counter, polled) between the steps: on the H200 two such waits cost more than two chained launch boundaries (7.1-7.6
-# µs against 6.8 for three launches), and the layer's plan of 4096 pairs took 14.4 µs at best against 10.3.
-# Nor two launches, a count that adds to running totals and placing programs that each sum the counts of the chunks
-# before their own (no scan): those sums grow with the chunks, and the plan of 1024 pairs took 9.5 µs against 9.2, of
-# 4096 pairs 16.9 against 10.1.
-# The small rules below, each changed alone at 1024-8192 pairs (chunk pairs, count warps, scan groups, table blocks),
-# took at most 2.2% off the layer's plan and cost up to 17.5%: inside the rule's own spread (4096 pairs: 10.3 µs,
-# 10.0-10.6 from the 20th to the 80th percentile).
-SUB = 128                  # beyond, pairs per chunk: one [SUB, SUB] comparison ranks them; smaller chunks
-                           # (more, cheaper programs) while the pairs are few: ``chunk_pairs``
-SCAN_TILE = 4096           # elements of one scan step ([chunks, groups] tile)
-SCAN_GROUPS = 16           # groups per scan program (more programs, fewer steps each: at 65536 pairs the
-                           # plan took 11% less on the H200 than with 64)
-PDL = True                 # chain the three launches by programmatic dependent launch where the GPU can
-                           # (``chained_launches``: on the H200 the plan took 0.9-1.5 µs less from 192 to 16384 pairs)
-TABLE_BLOCKS = 64          # blocks per table program of the placing kernel (each finds its blocks' groups by a
-                           # binary search: at 4096 pairs the plan took 15% less on the H200 than with one
-                           # [blocks, groups] comparison and 4 blocks per program)
+# The rules of the construction, also readable and settable under their old names here (``align.X``).
+rules.expose(__name__, ("SORT_MAX_PAIRS", "RECOUNT_MAX_PAIRS", "RECOUNT_SUB", "HIST_PAIRS", "RECOUNT_WARPS", "SUB",
+                        "SCAN_TILE", "SCAN_GROUPS", "PDL", "TABLE_BLOCKS"))
 
 
 def block_list_device(topk_ids: torch.Tensor, token_lora: torch.Tensor, num_experts: int, num_loras: int,
@@ -92,18 +63,19 @@ def _block_tensors_device(topk_ids, token_lora, num_experts: int, lists) -> list
     lora = token_lora.contiguous() if token_lora is not None else ids      # never read for lists by expert
     out = (pairs, block_lora, block_expert)
     with on_device(topk_ids):
-        if n <= SORT_MAX_PAIRS:
+        if n <= rules.SORT_MAX_PAIRS:
             NP = triton.next_power_of_2(max(n, 1))
             sort_kernel[(NL,)](ids, lora, *out, n, k, E, *scalars, NP=NP, FILL=1024, num_warps=sort_warps(NP))
-        elif n <= RECOUNT_MAX_PAIRS:
+        elif n <= rules.RECOUNT_MAX_PAIRS:
             GP, BSP, NT = _table_sizes(rows)
-            NC = triton.cdiv(n, RECOUNT_SUB)
-            recount_kernel[(NC + NT, NL)](ids, lora, *out, n, k, E, NC, *scalars, SUB=RECOUNT_SUB, HB=HIST_PAIRS,
-                                          GP=GP, BB=TABLE_BLOCKS, BSP=BSP, num_warps=RECOUNT_WARPS)
+            NC = triton.cdiv(n, rules.RECOUNT_SUB)
+            recount_kernel[(NC + NT, NL)](ids, lora, *out, n, k, E, NC, *scalars, SUB=rules.RECOUNT_SUB,
+                                          HB=rules.HIST_PAIRS, GP=GP, BB=rules.TABLE_BLOCKS, BSP=BSP,
+                                          num_warps=rules.RECOUNT_WARPS)
         else:
             GP, BSP, NT = _table_sizes(rows)
             sub = chunk_pairs(n)
-            NC, GB = triton.cdiv(n, sub), min(GP, SCAN_GROUPS)
+            NC, GB = triton.cdiv(n, sub), min(GP, rules.SCAN_GROUPS)
             counts = torch.empty(NL, NC, GP, dtype=torch.int32, device=dev)
             totals = torch.empty(NL, GP, dtype=torch.int32, device=dev)
             keep = sub >= 64               # count's in-chunk places kept for place: one compare, not two
@@ -112,9 +84,9 @@ def _block_tensors_device(topk_ids, token_lora, num_experts: int, lists) -> list
             count_kernel[(NC, NL)](ids, lora, counts, ranks, n, k, E, NC, *scalars, SUB=sub, GP=GP, RANKS=keep,
                                    PDL=chain, num_warps=count_warps(n))
             scan_kernel[(GP // GB, NL)](counts, totals, NC, GB=GB, GP=GP, PDL=chain, launch_pdl=chain,
-                                        CT=max(1, min(triton.next_power_of_2(NC), SCAN_TILE // GB)))
+                                        CT=max(1, min(triton.next_power_of_2(NC), rules.SCAN_TILE // GB)))
             place_kernel[(NC + NT, NL)](ids, lora, counts, totals, ranks, *out, n, k, E, NC, *scalars, SUB=sub,
-                                        GP=GP, BB=TABLE_BLOCKS, BSP=BSP, RANKS=keep, PDL=chain, launch_pdl=chain)
+                                        GP=GP, BB=rules.TABLE_BLOCKS, BSP=BSP, RANKS=keep, PDL=chain, launch_pdl=chain)
     return [(pairs[p: p + B * bs], block_lora[b: b + B], block_expert[b: b + B]) for _, bs, B, p, b, _ in rows]
 
 
@@ -122,14 +94,14 @@ def _table_sizes(rows) -> tuple[int, int, int]:
     """GP (groups, padded; pairs left out, group G, are never counted), BSP (block size, padded) and the
     table programs per list, for the lists' (G, BS, B, ...) rows."""
     return (triton.next_power_of_2(max(r[0] for r in rows)), triton.next_power_of_2(max(r[1] for r in rows)),
-            max(triton.cdiv(r[2], TABLE_BLOCKS) for r in rows))
+            max(triton.cdiv(r[2], rules.TABLE_BLOCKS) for r in rows))
 
 
 def chained_launches(device: torch.device) -> bool:
     """Whether the three launches chain by programmatic dependent launch: each kernel lets the next one's
     programs be placed early and they wait on the GPU for its results, instead of the next launch
     starting only after it ends (Hopper and later; ``PDL`` switches it off)."""
-    return PDL and not INTERPRET and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return rules.PDL and not INTERPRET and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 @contextlib.contextmanager
@@ -139,18 +111,17 @@ def construction(*, sort_max_pairs: int | None = None, recount_max_pairs: int | 
     program up to ``sort_max_pairs`` pairs instead of ``SORT_MAX_PAIRS``; recount in one launch up to
     ``recount_max_pairs`` instead of ``RECOUNT_MAX_PAIRS``; chain the three launches or not (``chained``,
     where the GPU can). None keeps the rule."""
-    global SORT_MAX_PAIRS, RECOUNT_MAX_PAIRS, PDL
     for name, value in (("sort_max_pairs", sort_max_pairs), ("recount_max_pairs", recount_max_pairs)):
         if value is not None:
             check_int(name, value, low=0)
-    saved = SORT_MAX_PAIRS, RECOUNT_MAX_PAIRS, PDL
-    SORT_MAX_PAIRS = saved[0] if sort_max_pairs is None else sort_max_pairs
-    RECOUNT_MAX_PAIRS = saved[1] if recount_max_pairs is None else recount_max_pairs
-    PDL = saved[2] if chained is None else bool(chained)
+    saved = rules.SORT_MAX_PAIRS, rules.RECOUNT_MAX_PAIRS, rules.PDL
+    rules.SORT_MAX_PAIRS = saved[0] if sort_max_pairs is None else sort_max_pairs
+    rules.RECOUNT_MAX_PAIRS = saved[1] if recount_max_pairs is None else recount_max_pairs
+    rules.PDL = saved[2] if chained is None else bool(chained)
     try:
         yield
     finally:
-        SORT_MAX_PAIRS, RECOUNT_MAX_PAIRS, PDL = saved
+        rules.SORT_MAX_PAIRS, rules.RECOUNT_MAX_PAIRS, rules.PDL = saved
 
 
 def sort_warps(padded_pairs: int) -> int:
@@ -168,7 +139,7 @@ def chunk_pairs(num_pairs: int) -> int:
     """Pairs per chunk of the three-launch construction: 32 up to 4096 pairs, 64 up to 16384, SUB beyond
     (on the H200 the plan of 2048 and 4096 pairs took 28% and 22% less than with 128-pair chunks, the
     layer's plan of 16384 pairs 3% less with 64 than with 128)."""
-    return 32 if num_pairs <= 4096 else 64 if num_pairs <= 16384 else SUB
+    return 32 if num_pairs <= 4096 else 64 if num_pairs <= 16384 else rules.SUB
 
 
 def make_block_lists(topk_ids: torch.Tensor, token_lora: torch.Tensor | None, num_experts: int, lists, *,

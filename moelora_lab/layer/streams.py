@@ -10,7 +10,7 @@ import contextlib
 
 import torch
 
-from .validate import check_choice
+from ..validate import check_choice
 
 SIDE_PRIORITIES = ("highest", "default")
 _AUX_STREAMS: dict = {}

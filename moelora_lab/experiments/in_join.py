@@ -13,12 +13,12 @@ from __future__ import annotations
 import torch
 import triton
 
-from .dispatch import choose_config
-from .kernels.in_join import act_lora_kernel, sum_lora_kernel
-from .layer_in_gemm import buffers
-from .moe import gemm_tiles, moe_gemm
-from .paths import launch_shrink
-from .streams import Streams
+from ..kernels.in_join import act_lora_kernel, sum_lora_kernel
+from ..layer.streams import Streams
+from ..layer.table import LayerCall
+from ..layer.two_kernel import buffers
+from ..base_moe import moe_gemm
+from ..op.paths import launch_shrink
 
 # a [BLOCK, BLOCK_R] weight tile of at most this many elements per program (32 float32 per thread of 4 warps)
 TILE_ELEMENTS = 4096
@@ -86,32 +86,28 @@ def sum_lora(c3, t2, w2_lora_b, topk_ids, weights, token_lora, lora_ranks, y):
     return y
 
 
-def in_join_layer(x, topk_ids, weights, token_lora, w13, w2, lora, plan, lora_ranks, tracer, *, dual: bool,
-                  side_priority: str = "highest"):
-    """The ``in_join`` schedule (``token_lora`` int32, ``weights`` [P] float32, ``lora`` the four LoRA lists)."""
-    M, k = topk_ids.shape
-    E, H, I = w2.shape
+def run(call: LayerCall) -> torch.Tensor:
+    """The ``in_join`` schedule: w13's shrink beside its GEMM, the rest of the LoRA in the two joins."""
+    M, k, E, H, I, L, R = call.dims
+    x, plan, lora_ranks, token_lora, weights = call.x, call.plan, call.lora_ranks, call.token_lora32, call.weights
     P = M * k
-    a13, b13, a2, b2 = lora
-    L, _, R, _ = a13[0].shape
-    ids = topk_ids.reshape(-1)
-    streams = Streams(dual, x.device, tracer, side_priority)
+    a13, b13, a2, b2 = call.lora
+    ids = call.topk_ids.reshape(-1)
+    streams = Streams(call.dual, x.device, call.tracer, call.side_priority)
     c1, h, c3, y = buffers(x, M, k, H, I)
     t1 = x.new_empty(2, P, R)                    # written where the activation reads: pairs with an adapter, ranks below
-    blocks = plan.lora_blocks
-    cfg = choose_config("two_kernel", P, min(P, L * E), I, 2, x.device, rank=R, side_stream=dual)
-    tiles = gemm_tiles(P, E)
+    tiles = plan.tiles
     fork = streams.fork()
     with streams.stage("base_w13", "main"):
-        moe_gemm(x, w13, plan.base_blocks, c1, top_k=k, tiles=tiles)
+        moe_gemm(x, call.w13, plan.base_blocks, c1, top_k=k, tiles=tiles)
     with streams.side("shrink_w13", fork):
-        launch_shrink(x, a13, t1, blocks, cfg.replace(block_m=blocks.block_size), top_k=k, token_rows=True,
+        launch_shrink(x, a13, t1, plan.lora_blocks, plan.lora_config, top_k=k, token_rows=True,
                       lora_ranks=lora_ranks, one_read=True)
     streams.join()
     with streams.stage("act+lora", "main"):
         t2 = act_lora(c1, t1, b13, a2, ids, token_lora, lora_ranks, h)
     with streams.stage("base_w2", "main"):
-        moe_gemm(h, w2, plan.base_blocks, c3, top_k=k, topk_weights=weights, tiles=tiles)
+        moe_gemm(h, call.w2, plan.base_blocks, c3, top_k=k, topk_weights=weights, tiles=tiles)
     with streams.stage("sum+lora", "main"):
         sum_lora(c3, t2, b2, ids, weights, token_lora, lora_ranks, y)
     return y

@@ -9,14 +9,14 @@ from typing import NamedTuple
 import torch
 import triton
 
+from . import rules
 from ._backend import INTERPRET, on_device
 from .kernels.base_moe import moe_gemm_kernel, silu_and_mul_kernel, topk_sum_kernel
 from .blocks import BlockList
 
-
-# Widest stacked shrink (L*r columns, padded to a power of two) the in-GEMM LoRA keeps in registers
-# next to the GEMM accumulator; wider adapter sets run the LoRA as separate kernels instead.
-MAX_FUSED_COLUMNS = 128
+# The rules this module applies, also readable and settable under their old names here (``moe.X``).
+rules.expose(__name__, ("MAX_FUSED_COLUMNS", "HALF_TAIL_MIN_BLOCK", "SUM_TILE_ELEMENTS", "SUM_TILE_MAX_PAIRS",
+                        "TAIL_ALIGN"))
 
 
 class GemmLoRA(NamedTuple):
@@ -31,15 +31,6 @@ class GemmLoRA(NamedTuple):
     shrunk: torch.Tensor | None = None
 
 
-# From one H200 sweep (bf16, qwen3-30b-a3b, w13 and w2, M = 1 .. 8192; data/h200/gemm_tune.csv):
-# with <= 16 pairs per expert, 128 x 128 (N x K) tiles come within 6% of the best of the grid for
-# both GEMMs (the earlier 128 x 64 lost up to 28% at M = 1); from 64 pairs per expert 256-wide N
-# tiles with 4 stages and GROUP_M 8 win by 3-8% (M = 2048, 8192). The in-GEMM LoRA keeps
-# BLOCK_K = 128 while blocks hold one or two pairs and drops to 64 once they mix adapters (within 7%).
-# W tiles come by TMA bulk copies wherever the GPU has a tensor memory accelerator and the weight allows
-# it (``W_TMA="auto"``): with the rule's tiles that was faster in 27 of 28 cases of data/h200/gemm_tma.csv
-# (qwen3-30b-a3b and deepseek-v2-lite, w13 and w2, M = 1 .. 8192), by up to 9% at M = 8192, and level
-# (within 0.2%) in the last.
 def gemm_tiles(num_pairs: int, num_experts: int, *, lora: bool = False) -> dict:
     """Tiles of the grouped GEMM: BLOCK_M from the pairs each expert gets on average."""
     if INTERPRET:
@@ -48,29 +39,26 @@ def gemm_tiles(num_pairs: int, num_experts: int, *, lora: bool = False) -> dict:
 
 
 def gpu_gemm_tiles(per_expert: float, *, lora: bool = False) -> dict:
-    """The GPU tile rule above, by pairs per expert (also usable on the CPU, to read the data)."""
-    if per_expert <= 16:
-        block_k = 64 if lora and per_expert > 2 else 128
-        return dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=block_k, GROUP_M=1, num_warps=4, num_stages=3, W_TMA="auto")
-    if per_expert <= 32:
-        return dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=3, W_TMA="auto")
-    return dict(BLOCK_M=64 if per_expert <= 96 else 128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8,
-                num_stages=4, W_TMA="auto")
-
-
-# An expert's last block holds its leftover pairs, on average half a block: with HALF_TAIL the grouped GEMM runs
-# such a block as a tile of BLOCK_M / 2 rows when its pairs end in the first half (so the padding an expert's
-# blocks compute is under half a block), from BLOCK_M = HALF_TAIL_MIN_BLOCK on: Hopper's warp-group MMA takes 64
-# rows at a time, so a half tile of fewer than 64 rows would compute as many rows as the whole one.
-# (Not kept: the same GEMM as a persistent kernel, one program per SM walking the tiles in the rule's order with the
-# tile and K loops flattened for the pipeliner; on the H200 it took 0.99-1.03x the time of the rule's launch at
-# M = 2048 and 8192: data/history/gemm_persistent_bc8117b91c.csv.)
-HALF_TAIL_MIN_BLOCK = 128
+    """The GPU tile rule by pairs per expert (also usable on the CPU, to read the data): small, mid and large
+    tiles (``rules.GEMM_*``), W tiles by TMA where it fits (``rules.GEMM_W_TMA``)."""
+    if per_expert <= rules.GEMM_SMALL_MAX_PER_EXPERT:
+        tiles = dict(rules.GEMM_SMALL_TILES)
+        if lora and per_expert > rules.GEMM_LORA_WIDE_K_MAX_PER_EXPERT:      # the blocks mix adapters
+            tiles["BLOCK_K"] = rules.GEMM_LORA_BLOCK_K
+    elif per_expert <= rules.GEMM_MID_MAX_PER_EXPERT:
+        tiles = dict(rules.GEMM_MID_TILES)
+    else:
+        tiles = dict(rules.GEMM_LARGE_TILES)
+        if per_expert > rules.GEMM_LARGE_MAX_PER_EXPERT:
+            tiles["BLOCK_M"] = rules.GEMM_XL_BLOCK_M
+    return dict(tiles, W_TMA=rules.GEMM_W_TMA)
 
 
 def half_tail(block_m: int) -> bool:
-    """Whether the grouped GEMM runs half tiles for blocks whose second half is padding (``HALF_TAIL``)."""
-    return block_m >= HALF_TAIL_MIN_BLOCK
+    """Whether the grouped GEMM runs an expert's last block as a tile of BLOCK_M / 2 rows when its pairs end in
+    the first half (``HALF_TAIL``): from ``HALF_TAIL_MIN_BLOCK`` rows, as Hopper's warp-group MMA takes 64 rows
+    at a time (a smaller half tile would compute as many rows as the whole one)."""
+    return block_m >= rules.HALF_TAIL_MIN_BLOCK
 
 
 def rows_computed(per_expert: torch.Tensor, block_m: int, half: bool) -> int:
@@ -168,13 +156,10 @@ def launch_tiles(tiles: dict, w: torch.Tensor):
     return tiles, warps, stages, w_tma, _w_descriptor(w, tiles["BLOCK_N"], tiles["BLOCK_K"]) if w_tma else w
 
 
-TAIL_ALIGN = 128      # the tail's weights start at a multiple of this column (every BLOCK_K of the rules divides it)
-
-
 def tail_start(x_cols: int) -> int:
     """The column of a widened weight where the tail's weights start: x's columns rounded up to TAIL_ALIGN
     (the columns between are zeros), so no K step mixes x and the tail."""
-    return triton.cdiv(x_cols, TAIL_ALIGN) * TAIL_ALIGN
+    return triton.cdiv(x_cols, rules.TAIL_ALIGN) * rules.TAIL_ALIGN
 
 
 def _check_tail(x, w, x_tail, P: int, block_k: int) -> int:
@@ -233,21 +218,6 @@ def _w_descriptor(w: torch.Tensor, block_n: int, block_k: int):
     return TensorDescriptor.from_tensor(w.view(E * N, K), [block_n, block_k])
 
 
-# The joins at few pairs (the top-k sum's rows as one tile, both joins' delta loaded before the adapter id;
-# ``rows_as_tile``): on the H200 (bf16, qwen3-30b-a3b, M = 1..16; data/history/join_tiles_313694704f.csv
-# against join_tiles_ace8dd7b5e.csv) the sum with the two-stream layer's delta went from 11.4-12.6 to
-# 6.3-6.9 us and the plain sum from 7.7-8.6 to 6.1-6.5. Against the loop, the layer without LoRA less its
-# base GEMMs was level within 1.3 us at M = 64 and 128 (1024 pairs) and 5.7-6.6 us slower at M = 512
-# (data/history/layer_ace8dd7b5e.csv, the tile at every M, against layer_6ad55b8597.csv); at M = 512, 2048
-# and 8192 the layer without LoRA took 10-11, 31-37 and 78-148 us longer with the tile than in the next run
-# (layer_1adca2dbeb.csv, the loop from 1024 pairs): the loop runs there.
-# The joins alone (data/history/join_border_730992bb30.csv): the plain sum's tile wins up to 1024 pairs and
-# loses from 1536; with the delta it wins up to 2048 (by at most 2.3 us past 1024) and loses from 3072; the
-# activation's early delta load wins by 0.2-0.4 us at every count. One border for both joins, the plain sum's.
-SUM_TILE_ELEMENTS = 4096      # the top-k sum's [k, BLOCK] tile of rows per program
-SUM_TILE_MAX_PAIRS = 1024
-
-
 def _block(n: int) -> int:
     return min(1024 if not INTERPRET else 4096, triton.next_power_of_2(n))
 
@@ -278,7 +248,7 @@ def topk_sum(c3: torch.Tensor, y: torch.Tensor, *, top_k: int, delta: torch.Tens
     """y[t] = sum_j c3[t*k + j] (plus the LoRA delta of tokens with an adapter) into y [M, H]."""
     block_j = triton.next_power_of_2(top_k)
     tile = rows_as_tile(c3.shape[0])
-    block = max(16, min(_block(y.shape[1]), SUM_TILE_ELEMENTS // block_j)) if tile else None
+    block = max(16, min(_block(y.shape[1]), rules.SUM_TILE_ELEMENTS // block_j)) if tile else None
     return _rowwise(topk_sum_kernel, c3, y, y.shape[0], y.shape[1], top_k, delta, token_lora, block,
                     BLOCK_J=block_j, ROWS_AS_TILE=tile)
 
@@ -286,4 +256,4 @@ def topk_sum(c3: torch.Tensor, y: torch.Tensor, *, top_k: int, delta: torch.Tens
 def rows_as_tile(num_pairs: int) -> bool:
     """Whether the joins run their few-pairs form: the top-k sum takes a token's k rows as one tile (else it
     loops over them) and both joins load a delta row before they know its adapter (else the load waits)."""
-    return num_pairs <= SUM_TILE_MAX_PAIRS
+    return num_pairs <= rules.SUM_TILE_MAX_PAIRS

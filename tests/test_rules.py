@@ -1,0 +1,159 @@
+"""The measured rules (``moelora_lab.rules``): each one says why and names its data, the data stamp sees
+each one move, and the functions that apply them read them when called."""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from moelora_lab import rules
+
+from moelora_lab.routing import device as align
+
+from moelora_lab.op import dispatch
+
+from moelora_lab import base_moe as moe
+from moelora_lab.layer import in_k_launch
+from moelora_lab.results import config_fingerprint
+from moelora_lab.tiles import KernelConfig
+
+PACKAGE = Path(rules.__file__).resolve().parent
+DATA_PATH = re.compile(r"\bdata/(?:h200|history)/[\w.-]+\.\w+")
+
+# Rules the data fingerprint (``results._rule_table``) does not cover: changing one would not mark the
+# committed data stale. Adding them to the hash input changes the fingerprint, and the committed data is
+# stamped with the current one, so they join the hash when the data set is next regenerated; this set
+# then empties.
+NOT_IN_FINGERPRINT = {
+    "HALF_TAIL_MIN_BLOCK", "TAIL_ALIGN", "SUM_TILE_ELEMENTS", "SUM_TILE_MAX_PAIRS",          # moe
+    "SORT_MAX_PAIRS", "RECOUNT_MAX_PAIRS", "RECOUNT_SUB", "HIST_PAIRS", "RECOUNT_WARPS",    # align
+    "SUB", "SCAN_TILE", "SCAN_GROUPS", "PDL", "TABLE_BLOCKS",
+    "FILL_ROWS",                                                                            # layer.in_k_launch
+}
+# Moves of a covered rule that the fingerprint's grid of shapes does not see (no grid point lies between
+# the old and the new border). Same fate: the grid gains those points when the data set is next
+# regenerated, and this map empties.
+BLIND_MOVES = {
+    "WIDE_MAX_PAIRS": {"x2"},               # 12288 -> 24576: no grid point between 8192 and 65536 pairs
+    "VERY_WIDE_COLUMNS": {"/2"},            # 2048 -> 1024: choose_path sees N of 768 and 2048 only
+    "ONE_TILE_WIDE_MIN_PAIRS": {"x2"},      # 2048 -> 4096: no grid point between 1024 and 4096 pairs
+}
+OLD_HOMES = {dispatch: dispatch._RULES, moe: ("MAX_FUSED_COLUMNS", "HALF_TAIL_MIN_BLOCK", "SUM_TILE_ELEMENTS",
+                                              "SUM_TILE_MAX_PAIRS", "TAIL_ALIGN"),
+             align: ("SORT_MAX_PAIRS", "RECOUNT_MAX_PAIRS", "RECOUNT_SUB", "HIST_PAIRS", "RECOUNT_WARPS", "SUB",
+                     "SCAN_TILE", "SCAN_GROUPS", "PDL", "TABLE_BLOCKS"),
+             in_k_launch: ("FILL_ROWS",)}
+
+
+def rule_comments() -> dict[str, list[str]]:
+    """Each public UPPER_CASE constant assigned at the top of rules.py -> the comment lines right above it."""
+    source = Path(rules.__file__).read_text()
+    lines = source.splitlines()
+    found = {}
+    for node in ast.parse(source).body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        for target in targets:
+            if isinstance(target, ast.Name) and target.id.isupper() and not target.id.startswith("_"):
+                above, at = [], node.lineno - 2
+                while at >= 0 and lines[at].lstrip().startswith("#"):
+                    above.insert(0, lines[at].strip())
+                    at -= 1
+                found[target.id] = above
+    return found
+
+
+RULES = sorted(rule_comments())
+
+
+def test_every_rule_says_why_and_names_its_data():
+    comments = rule_comments()
+    public = {name for name in vars(rules) if name.isupper() and not name.startswith("_")}
+    assert public == set(comments), "rules.py: every rule is a plain assignment with its comment above it"
+    assert len(comments) >= 40                                      # the parse is not vacuous
+    for name, above in comments.items():
+        assert len(above) == 1 and not above[0].startswith("# ---"), f"{name}: one comment line right above it"
+        paths = DATA_PATH.findall(above[0])
+        assert paths, f"{name}: its comment names no data file (data/h200/... or data/history/...)"
+        for path in paths:
+            assert (PACKAGE / path).is_file(), f"{name}: {path} does not exist"
+        why = above[0].lstrip("#").split(paths[0])[0]
+        assert len(re.findall(r"[A-Za-z]{2,}", why)) >= 4, f"{name}: say what was measured and why, not only where"
+
+
+def moves(value) -> dict[str, object]:
+    """Named perturbations of one rule's value, each a valid rule of the same kind."""
+    if isinstance(value, bool):
+        return {"flip": not value}
+    if isinstance(value, int):
+        return {"x2": value * 2, "/2": value // 2}
+    if isinstance(value, str):
+        return {"True": True, "False": False}
+    if isinstance(value, dict) and all(isinstance(v, KernelConfig) for v in value.values()):
+        fields = ("block_m", "block_n", "block_k", "max_block_r", "num_warps", "num_stages")
+        return {f"{name}.{field} x2": dict(value, **{name: cfg.replace(**{field: getattr(cfg, field) * 2})})
+                for name, cfg in value.items() for field in fields}
+    if isinstance(value, dict):
+        return {f"{key} x2": dict(value, **{key: v * 2}) for key, v in value.items()}
+    raise TypeError(f"no perturbation for {value!r}")
+
+
+def test_the_sets_name_rules():
+    assert NOT_IN_FINGERPRINT <= set(RULES) and set(BLIND_MOVES) <= set(RULES) - NOT_IN_FINGERPRINT
+    for name, blind in BLIND_MOVES.items():
+        assert blind < set(moves(getattr(rules, name))), f"{name}: the fingerprint must see some move"
+
+
+@pytest.mark.parametrize("name", RULES)
+def test_the_fingerprint_sees_every_rule_move(name, monkeypatch):
+    """Every move of a covered rule changes the fingerprint (but the known blind ones); no move of a rule in
+    NOT_IN_FINGERPRINT does, so neither set can go stale unnoticed."""
+    before = config_fingerprint()
+    seen = {}
+    for move, value in moves(getattr(rules, name)).items():
+        monkeypatch.setattr(rules, name, value)
+        seen[move] = config_fingerprint() != before
+        monkeypatch.undo()
+    assert config_fingerprint() == before
+    if name in NOT_IN_FINGERPRINT:
+        assert not any(seen.values()), (f"{name} now moves the fingerprint ({seen}): take it out of "
+                                        "NOT_IN_FINGERPRINT")
+    else:
+        blind = BLIND_MOVES.get(name, set())
+        assert {m for m, s in seen.items() if not s} == blind, (
+            f"{name}: moves the fingerprint missed {sorted(m for m, s in seen.items() if not s)}, "
+            f"expected {sorted(blind)} (BLIND_MOVES)")
+
+
+def test_rules_outside_the_fingerprint_steer_their_functions_when_called(monkeypatch):
+    monkeypatch.setattr(rules, "SUM_TILE_MAX_PAIRS", 7)
+    assert moe.rows_as_tile(7) and not moe.rows_as_tile(8)
+    monkeypatch.setattr(rules, "HALF_TAIL_MIN_BLOCK", 64)
+    assert moe.half_tail(64) and not moe.half_tail(32)
+    monkeypatch.setattr(rules, "TAIL_ALIGN", 256)
+    assert moe.tail_start(130) == 256
+    monkeypatch.setattr(rules, "SUB", 256)
+    assert align.chunk_pairs(1 << 20) == 256
+    monkeypatch.setattr(rules, "TABLE_BLOCKS", 2)
+    assert align._table_sizes([(4, 16, 9, 0, 0, 1)])[2] == 5
+    with align.construction(sort_max_pairs=3, recount_max_pairs=5, chained=False):
+        assert (rules.SORT_MAX_PAIRS, rules.RECOUNT_MAX_PAIRS, rules.PDL) == (3, 5, False)
+    assert (rules.SORT_MAX_PAIRS, rules.RECOUNT_MAX_PAIRS, rules.PDL) == (256, 512, True)
+
+
+def test_old_homes_read_and_set_the_rules(monkeypatch):
+    """``dispatch.X``, ``moe.X``, ``align.X`` and ``in_k_launch.X`` are the rule itself: reading gives
+    ``rules.X``, setting (a probe, a monkeypatch) sets it, and an undo restores it."""
+    for module, names in OLD_HOMES.items():
+        for name in names:
+            assert getattr(module, name) is getattr(rules, name), f"{module.__name__}.{name}"
+    saved = rules.TWO_KERNEL_MAX_PAIRS
+    monkeypatch.setattr(dispatch, "TWO_KERNEL_MAX_PAIRS", saved * 2)
+    assert rules.TWO_KERNEL_MAX_PAIRS == saved * 2 and dispatch.choose_path(saved * 2, 8, 4, 256) == "two_kernel"
+    monkeypatch.undo()
+    assert rules.TWO_KERNEL_MAX_PAIRS == dispatch.TWO_KERNEL_MAX_PAIRS == saved
+    from moelora_lab.op.dispatch import CONFIGS, KernelConfig as Old         # the names importable where they were
+    assert CONFIGS is rules.CONFIGS and Old is KernelConfig
+    with pytest.raises(AttributeError, match="not rules: NO_SUCH_RULE"):
+        rules.expose(__name__, ("NO_SUCH_RULE",))
