@@ -4,8 +4,6 @@ Shape legend: M tokens, k top-k, E experts, K in, N out, H hidden, I expert inte
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 
@@ -17,18 +15,6 @@ from .blocks import BlockList
 # The rules this module applies, also readable and settable under their old names here (``moe.X``).
 rules.expose(__name__, ("MAX_FUSED_COLUMNS", "HALF_TAIL_MIN_BLOCK", "SUM_TILE_ELEMENTS", "SUM_TILE_MAX_PAIRS",
                         "TAIL_ALIGN"))
-
-
-class GemmLoRA(NamedTuple):
-    """The LoRA to compute inside a grouped GEMM (see ``kernels/base_moe``): per-token adapter ids
-    [M] int32 (-1 = none), A [L, E, r, K] and B [L, E, N/S, r] per slice, optional ranks [L] int32;
-    ``shrunk``: T = A x [S, P, r] made beforehand (``paths.launch_shrink``), so the GEMM only expands."""
-
-    token_lora: torch.Tensor
-    lora_a: list
-    lora_b: list
-    lora_ranks: torch.Tensor | None = None
-    shrunk: torch.Tensor | None = None
 
 
 def gemm_tiles(num_pairs: int, num_experts: int, *, lora: bool = False) -> dict:
@@ -76,10 +62,9 @@ def fused_columns(num_loras: int, rank: int) -> int:
 
 def moe_gemm(x: torch.Tensor, w: torch.Tensor, blocks: BlockList, out: torch.Tensor, *, top_k: int,
              topk_weights: torch.Tensor | None = None, tiles: dict | None = None,
-             lora: GemmLoRA | None = None, x_tail: torch.Tensor | None = None) -> torch.Tensor:
-    """out[p] = (w_p *) (W[e_p] @ x_row(p) + B[l, e_p] @ A[l, e_p] @ x_row(p)) for every pair, over
-    expert-sorted ``blocks``; the LoRA term only with ``lora`` and only for pairs whose token has an
-    adapter l. Inputs are trusted (the layer validates them).
+             x_tail: torch.Tensor | None = None) -> torch.Tensor:
+    """out[p] = (w_p *) W[e_p] @ x_row(p) for every pair, over expert-sorted ``blocks``. Inputs are trusted
+    (the layer validates them).
 
     x: [M, K] token rows or [P, K] pair rows; w: [E, N, K]; out: [P, N]; topk_weights: [P] fp32 or None.
     ``tiles`` may add ``HALF_TAIL`` (default :func:`half_tail`: run a block whose second half is padding as a
@@ -94,9 +79,31 @@ def moe_gemm(x: torch.Tensor, w: torch.Tensor, blocks: BlockList, out: torch.Ten
     E, N, K = w.shape
     P = out.shape[0]
     tiles = dict(tiles or gemm_tiles(P, E))
-    if lora is not None and x_tail is not None:
-        raise ValueError("x_tail: the LoRA comes in K or in the GEMM (lora=), not both; pass one of them")
     tail_at = _check_tail(x, w, x_tail, P, tiles["BLOCK_K"]) if x_tail is not None else K
+    tiles, half = block_tiles(tiles, blocks)
+    tiles, warps, stages, w_tma, w_desc = launch_tiles(tiles, w)
+    mul = topk_weights is not None
+    if mul:
+        topk_weights = topk_weights.contiguous()    # [P], read at topk_weights_ptr + pair
+    n_slice = N if x_tail is None else N // x_tail.shape[0]
+    grid = (blocks.num_blocks * (N // n_slice) * triton.cdiv(n_slice, tiles["BLOCK_N"]),)
+    tail_off = (x_tail.data_ptr() - x.data_ptr()) // x.element_size() if x_tail is not None else 0
+    with on_device(x):
+        moe_gemm_kernel[grid](
+            x, w, w_desc, out, topk_weights if mul else out, blocks.sorted_pairs, blocks.block_expert,
+            P, top_k, K, N, blocks.num_blocks, n_slice, x.shape[1], tail_at, tail_off,
+            x.stride(0), x.stride(1), *w.stride(), out.stride(0), out.stride(1),
+            *(x_tail.stride()[:2] if x_tail is not None else (0, 0)),
+            TOKEN_ROWS=x.shape[0] != P or top_k == 1, MUL_ROUTED_WEIGHT=mul, W_TMA=w_tma, X_TAIL=x_tail is not None,
+            HALF_TAIL=half, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps,
+            num_stages=stages, **tiles)
+    return out
+
+
+def block_tiles(tiles: dict, blocks: BlockList) -> tuple[dict, bool]:
+    """A grouped GEMM's tile dict checked against its ``blocks`` and split: (the tiles without HALF_TAIL,
+    whether blocks whose second half is padding run half tiles: ``tiles["HALF_TAIL"]``, else :func:`half_tail`)."""
+    tiles = dict(tiles)
     if tiles["BLOCK_M"] != blocks.block_size:
         raise ValueError(f"blocks: block size {blocks.block_size} != BLOCK_M {tiles['BLOCK_M']}; build them with "
                          "block_list(..., block_size=gemm_tiles(...)['BLOCK_M'])")
@@ -104,42 +111,7 @@ def moe_gemm(x: torch.Tensor, w: torch.Tensor, blocks: BlockList, out: torch.Ten
     if half not in (True, False) or (half and tiles["BLOCK_M"] % 2):
         raise ValueError(f"tiles: HALF_TAIL must be True or False (True with an even BLOCK_M), got {half!r} with "
                          f"BLOCK_M {tiles['BLOCK_M']}")
-    tiles, warps, stages, w_tma, w_desc = launch_tiles(tiles, w)
-    mul = topk_weights is not None
-    if mul:
-        topk_weights = topk_weights.contiguous()    # [P], read at topk_weights_ptr + pair
-    if lora is not None:
-        lora = lora._replace(token_lora=lora.token_lora.contiguous(),
-                             lora_ranks=None if lora.lora_ranks is None else lora.lora_ranks.contiguous())
-    if lora is None:
-        a = b = (w, w)                                  # never read
-        L = R = 1
-        n_slice, block_lr, a_strides, b_strides = N, 16, (0,) * 4, (0,) * 4
-        if x_tail is not None:
-            n_slice = N // x_tail.shape[0]
-    else:
-        L, _, R, _ = lora.lora_a[0].shape
-        n_slice = lora.lora_b[0].shape[2]
-        block_lr = fused_columns(L, R)
-        a, b = (lora.lora_a[0], lora.lora_a[-1]), (lora.lora_b[0], lora.lora_b[-1])
-        a_strides, b_strides = a[0].stride(), b[0].stride()
-    grid = (blocks.num_blocks * (N // n_slice) * triton.cdiv(n_slice, tiles["BLOCK_N"]),)
-    has_ranks = lora is not None and lora.lora_ranks is not None
-    t = lora.shrunk if lora is not None and lora.shrunk is not None else x_tail
-    tail_off = (x_tail.data_ptr() - x.data_ptr()) // x.element_size() if x_tail is not None else 0
-    with on_device(x):
-        moe_gemm_kernel[grid](
-            x, w, w_desc, out, topk_weights if mul else out, blocks.sorted_pairs, blocks.block_expert,
-            lora.token_lora if lora is not None else blocks.block_expert, *a, *b,
-            lora.lora_ranks if has_ranks else blocks.block_expert, t if t is not None else w,
-            P, top_k, K, N, blocks.num_blocks, L, R, n_slice,
-            x.stride(0), x.stride(1), *w.stride(), out.stride(0), out.stride(1), *a_strides, *b_strides,
-            *(t.stride() if t is not None else (0, 0, 0)), x.shape[1], tail_at, tail_off,
-            BLOCK_LR=block_lr, TOKEN_ROWS=x.shape[0] != P or top_k == 1, MUL_ROUTED_WEIGHT=mul,
-            HAS_LORA=lora is not None, HAS_RANKS=has_ranks, W_TMA=w_tma, T_IN=lora is not None and lora.shrunk is not None,
-            X_TAIL=x_tail is not None, HALF_TAIL=bool(half),
-            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages, **tiles)
-    return out
+    return tiles, bool(half)
 
 
 def launch_tiles(tiles: dict, w: torch.Tensor):

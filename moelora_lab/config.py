@@ -54,10 +54,6 @@ class MoEShape:
             raise ValueError(f"op: expected 'w13' or 'w2', got {op!r}")
         return (self.hidden, self.intermediate, 2) if op == "w13" else (self.intermediate, self.hidden, 1)
 
-    def expert_weight_bytes(self, dtype_bytes: int = 2) -> int:
-        """Bytes of one expert's base weights (w13 + w2)."""
-        return 3 * self.hidden * self.intermediate * dtype_bytes
-
 
 @dataclass(frozen=True)
 class LoRAShape:

@@ -16,8 +16,10 @@ os.environ["MOELORA_INTERPRET"] = "0"
 import triton  # noqa: E402  (after the switch: moelora_lab is imported below, kernels after it)
 
 import moelora_lab  # noqa: E402,F401
-from moelora_lab.kernels import (align, base_moe, combine, in_join, in_k, in_k_overlap, one_shot,  # noqa: E402
-                                 small_batch, two_kernel)
+from moelora_lab.kernels import (align, base_moe, combine, in_k, one_shot,  # noqa: E402
+                                 two_kernel)
+from moelora_lab.experiments.kernels import one_shot_builds, small_batch  # noqa: E402
+from moelora_lab.experiments.kernels import in_gemm, in_join, in_k_overlap  # noqa: E402
 from moelora_lab.op.dispatch import one_shot_build_rule  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -72,10 +74,11 @@ def main():
     lora = dict(ptrs("x_ptr", "a0_ptr", "a1_ptr", "b0_ptr", "b1_ptr", "out_ptr", "t_ptr"),
                 topk_weights_ptr="*fp32", sorted_pairs_ptr=i32, block_lora_ptr=i32, block_expert_ptr=i32,
                 lora_ranks_ptr=i32, topk_ids_ptr=i32, token_lora_ptr=i32)
-    common = dict(TOKEN_ROWS=True, MUL_ROUTED_WEIGHT=True, ADD_INPUTS=False, DOT_PRECISION="tf32")
+    common = dict(MUL_ROUTED_WEIGHT=True, ADD_INPUTS=False)
+    built = dict(common, TOKEN_ROWS=True, DOT_PRECISION="tf32")     # the knobs the product kernel fixes
     gemm = dict(lora, **ptrs("w_ptr", "w_desc"))        # t_ptr from lora
     gemm_c = dict(BLOCK_N=128, BLOCK_K=64, TOKEN_ROWS=True, MUL_ROUTED_WEIGHT=True, EVEN_K=True, DOT_PRECISION="tf32",
-                  W_TMA=False, T_IN=False)
+                  W_TMA=False)
     tail = dict(ptrs("h_ptr", "a0_ptr", "a1_ptr", "tail_ptr"), sorted_pairs_ptr=i32, block_lora_ptr=i32,
                 block_expert_ptr=i32, token_lora_ptr=i32, lora_ranks_ptr=i32)
     tail_c = dict(BLOCK_M=16, BLOCK_K=128, BLOCK_R=64, BLOCK_LR=64, FILL_ROWS=32, DOT_PRECISION="tf32", HAS_RANKS=True)
@@ -84,11 +87,14 @@ def main():
         cases.append((f"one_shot rank_tiles={tiles} ranks={ranks}", one_shot.one_shot_kernel, lora,
                       dict(common, N_CHUNKS=2, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, BLOCK_R=128, RANK_TILES=tiles,
                            EVEN_K=True, HAS_RANKS=ranks, **launched(128))))
-    for name, flags in (("both slices", dict(BOTH_SLICES=True)), ("output prefetched", dict(PREFETCH_OUT=True)),
-                        ("clamped rank offsets, expand unpipelined", dict(CLAMP_RANKS=True, EXPAND_STAGES=1))):
-        cases.append((f"one_shot {name}", one_shot.one_shot_kernel, lora,
-                      dict(common, N_CHUNKS=1, BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, BLOCK_R=64, RANK_TILES=1,
-                           EVEN_K=True, HAS_RANKS=False, **flags)))
+    for name, kernel, flags in (
+            ("both slices", one_shot_builds.one_shot_build_kernel, dict(built, BOTH_SLICES=True)),
+            ("output prefetched", one_shot.one_shot_kernel, dict(common, PREFETCH_OUT=True)),
+            ("clamped rank offsets, expand unpipelined", one_shot_builds.one_shot_build_kernel,
+             dict(built, CLAMP_RANKS=True, EXPAND_STAGES=1))):
+        cases.append((f"one_shot {name}", kernel, lora,
+                      dict(flags, N_CHUNKS=1, BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, BLOCK_R=64, RANK_TILES=1,
+                           EVEN_K=True, HAS_RANKS=False)))
     cases += [
         ("shrink", two_kernel.shrink_kernel, lora, dict(BLOCK_M=16, BLOCK_K=128, BLOCK_R=64, TOKEN_ROWS=True,
                                                         DOT_PRECISION="tf32", HAS_RANKS=True)),
@@ -100,12 +106,11 @@ def main():
         ("small_batch", small_batch.small_batch_kernel, lora,
          dict(NUM_SLICES=2, N_CHUNKS=4, BLOCK_N=64, BLOCK_K=64, BLOCK_R=128, RANK_TILES=2, TOKEN_ROWS=True,
               MUL_ROUTED_WEIGHT=False, ADD_INPUTS=True, HAS_RANKS=True)),
-        ("moe_gemm", base_moe.moe_gemm_kernel, gemm,
-         dict(gemm_c, BLOCK_M=64, GROUP_M=8, BLOCK_LR=16, HAS_LORA=False, HAS_RANKS=False)),
-        ("moe_gemm in-GEMM LoRA", base_moe.moe_gemm_kernel, gemm,
-         dict(gemm_c, BLOCK_M=16, GROUP_M=1, BLOCK_LR=64, HAS_LORA=True, HAS_RANKS=True)),
-        ("moe_gemm LoRA expand before the K loop (epilogue schedule)", base_moe.moe_gemm_kernel, gemm,
-         dict(gemm_c, BLOCK_M=64, GROUP_M=8, BLOCK_LR=64, HAS_LORA=True, HAS_RANKS=True, T_IN=True)),
+        ("moe_gemm", base_moe.moe_gemm_kernel, gemm, dict(gemm_c, BLOCK_M=64, GROUP_M=8)),
+        ("in_gemm.moe_gemm_lora", in_gemm.moe_gemm_lora_kernel, gemm,
+         dict(gemm_c, BLOCK_M=16, GROUP_M=1, BLOCK_LR=64, HAS_RANKS=True, T_IN=False)),
+        ("in_gemm.moe_gemm_lora, expand before the K loop (epilogue)", in_gemm.moe_gemm_lora_kernel, gemm,
+         dict(gemm_c, BLOCK_M=64, GROUP_M=8, BLOCK_LR=64, HAS_RANKS=True, T_IN=True)),
         ("silu_and_mul", base_moe.silu_and_mul_kernel, dict(ptrs("c1_ptr", "delta_ptr", "h_ptr"), token_lora_ptr=i32),
          dict(BLOCK=1024, HAS_DELTA=True)),
         ("silu_and_mul, the delta loaded early", base_moe.silu_and_mul_kernel,
@@ -155,9 +160,9 @@ def main():
     else:
         assert tiled["stack"] * 8 <= whole["stack"], (tiled, whole)
     # the in-GEMM LoRA at its widest (128 stacked adapter columns, BLOCK_M 16) must not spill either
-    fused = resources(build(base_moe.moe_gemm_kernel, gemm, dict(gemm_c, BLOCK_M=16, GROUP_M=1, BLOCK_LR=128,
-                                                                  HAS_LORA=True, HAS_RANKS=False)))
-    print(f"moe_gemm with 128 LoRA columns -> {fused}")
+    fused = resources(build(in_gemm.moe_gemm_lora_kernel, gemm, dict(gemm_c, BLOCK_M=16, GROUP_M=1, BLOCK_LR=128,
+                                                                     HAS_RANKS=False, T_IN=False)))
+    print(f"moe_gemm_lora with 128 LoRA columns -> {fused}")
     assert fused["stack"] == 0, fused
     # the shrink that keeps both slices' accumulators (2 x [64, 64] fp32 at 4 warps) must not spill
     both = resources(build(two_kernel.shrink_kernel, lora, dict(BLOCK_M=64, BLOCK_K=64, BLOCK_R=64, TOKEN_ROWS=True,
@@ -168,20 +173,17 @@ def main():
     # the w13 GEMM whose last K steps read the pair's tail row, at the rule's largest tiles (TMA for W)
     tma = dict(gemm, w_desc="tensordesc<bf16[256, 64]>")
     tail_gemm = resources(build(base_moe.moe_gemm_kernel, tma, dict(gemm_c, BLOCK_M=128, BLOCK_N=256, GROUP_M=8,
-                                                                      BLOCK_LR=16, HAS_LORA=False, HAS_RANKS=False,
                                                                       W_TMA=True, X_TAIL=True),
                                 num_warps=8, num_stages=4))
     plain_gemm = resources(build(base_moe.moe_gemm_kernel, tma, dict(gemm_c, BLOCK_M=128, BLOCK_N=256, GROUP_M=8,
-                                                                       BLOCK_LR=16, HAS_LORA=False, HAS_RANKS=False,
                                                                        W_TMA=True), num_warps=8, num_stages=4))
     print(f"moe_gemm 128 x 256, x tail -> {tail_gemm}; without -> {plain_gemm}")
     assert tail_gemm["stack"] == 0, tail_gemm
     # the same with half tiles for blocks whose second half is padding: the two K loops (128 and 64 rows) must
     # share the shared memory (their pipelines are never live at once) and not spill
     for x_tail in (False, True):
-        built = build(base_moe.moe_gemm_kernel, tma, dict(gemm_c, BLOCK_M=128, BLOCK_N=256, GROUP_M=8, BLOCK_LR=16,
-                                                          HAS_LORA=False, HAS_RANKS=False, W_TMA=True, X_TAIL=x_tail,
-                                                          HALF_TAIL=True), num_warps=8, num_stages=4)
+        built = build(base_moe.moe_gemm_kernel, tma, dict(gemm_c, BLOCK_M=128, BLOCK_N=256, GROUP_M=8, W_TMA=True,
+                                                          X_TAIL=x_tail, HALF_TAIL=True), num_warps=8, num_stages=4)
         res, shared = resources(built), built.metadata.shared
         print(f"moe_gemm 128 x 256 with half tiles, x tail {x_tail} -> {res}, shared {shared} bytes")
         assert res["stack"] == 0 and shared <= SHARED_PER_BLOCK, (res, shared)

@@ -52,7 +52,7 @@ def test_layer_matches_reference(device, rank, M, kw, layer):
 @pytest.mark.parametrize("rank, M, kw", [(8, 9, dict(no_adapter_fraction=0.3)), (5, 20, {}), (16, 1, {}),
                                          (8, 33, dict(no_adapter_fraction=1.0))])
 def test_shrink_beside_its_gemm_matches_reference(device, rank, M, kw):
-    """overlap=True: each shrink and its GEMM as one launch of ticketed programs (kernels/in_k_overlap)."""
+    """in_k_overlap_layer: each shrink and its GEMM as one launch of ticketed programs (its kernel in_k_overlap)."""
     for dtype in dtypes(device):
         p = problem(device, dtype, M=M, rank=rank, seed=rank + 3 * M, **kw)
         assert_close(run_both(p, overlap=True), ml.moe_layer_reference(**p.layer_inputs()), dtype)
@@ -65,7 +65,7 @@ def test_shrink_beside_its_gemm_matches_reference(device, rank, M, kw):
 def test_one_launch_runs_every_shrink_program_before_any_gemm_tail(device):
     """The launch's counters after it: every program drew one ticket, every shrink program counted itself
     done; the GEMM's output has every row written (poisoned before)."""
-    from moelora_lab.layer.in_k_launch import gemm_after_shrink
+    from moelora_lab.experiments.in_k import gemm_after_shrink
     p = problem(device, M=13, rank=8, seed=2, no_adapter_fraction=0.3)
     inputs = p.layer_inputs()
     E, I, H, k = SHAPE.num_experts, SHAPE.intermediate, SHAPE.hidden, SHAPE.top_k

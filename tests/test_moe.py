@@ -1,12 +1,12 @@
-"""The base grouped GEMM, with and without the LoRA computed inside it, against the reference."""
+"""The base grouped GEMM and its two joins (activation, top-k sum) against the reference."""
 import pytest
 import torch
 
 import moelora_lab as ml
 from moelora_lab import base_moe as moe
 from moelora_lab.routing.device import make_blocks
-from moelora_lab.base_moe import GemmLoRA, fused_columns, gemm_tiles, moe_gemm
-from utils import assert_close, poisoned, shrink_spec
+from moelora_lab.base_moe import fused_columns, gemm_tiles, moe_gemm
+from utils import assert_close, poisoned
 
 SHAPE = ml.MoEShape(48, 40, 6, 2, "moe-test")     # K and N not multiples of the tiles
 
@@ -15,42 +15,36 @@ def case(device, dtype, M, rank, seed, **kw):
     return ml.make_problem(SHAPE, ml.LoRAShape(3, rank), M, dtype=dtype, device=device, seed=seed, **kw)
 
 
-def expected(p, x, w, lora_a, lora_b, mul, ranks=None):
-    """Every pair's base row plus, for pairs with an adapter, its LoRA delta (fp32)."""
+def base_rows(p, x, w):
+    """Every pair's x row (its token's for token rows) times its expert's W (fp32)."""
     M, k = p.topk_ids.shape
     rows = x.float().repeat_interleave(k, 0) if x.shape[0] == M else x.float()
-    base = torch.einsum("pk,pnk->pn", rows, w.float()[p.topk_ids.reshape(-1).long()])
-    if ranks is not None:   # the spec on weights cut to each slot's rank
-        keep = torch.arange(lora_a[0].shape[2], device=x.device)[None, :] < ranks[:, None]
-        lora_a = [torch.where(keep[:, None, :, None], a, torch.zeros_like(a)) for a in lora_a]
-        lora_b = [torch.where(keep[:, None, None, :], b, torch.zeros_like(b)) for b in lora_b]
-    delta = ml.moe_lora_reference(x, p.topk_ids, p.topk_weights, p.token_lora, lora_a, lora_b)
-    out = base + delta.reshape(M * k, -1)
-    if mul:
-        out = out * p.topk_weights.reshape(-1, 1).float()
-    return out
+    return torch.einsum("pk,pnk->pn", rows, w.float()[p.topk_ids.reshape(-1).long()])
 
 
-def run(p, x, w, lora, mul, **tile_changes):
+def routed(p, out, mul):
+    """out times each pair's routing weight where ``mul``."""
+    return out * p.topk_weights.reshape(-1, 1).float() if mul else out
+
+
+def expected_base(p, x, w, mul):
+    """The grouped GEMM's output without LoRA (fp32)."""
+    return routed(p, base_rows(p, x, w), mul)
+
+
+def launch(gemm, p, x, w, mul, **tile_changes):
+    """``gemm(x, w, blocks, out, top_k=, topk_weights=, tiles=)`` over p's routing, with the rule's tiles
+    changed by ``tile_changes``, into an out whose unwritten rows stay NaN (and fail)."""
     M, k = p.topk_ids.shape
     tiles = dict(gemm_tiles(M * k, SHAPE.num_experts), **tile_changes)
     blocks = make_blocks(p.topk_ids, torch.zeros_like(p.token_lora), SHAPE.num_experts, 1, tiles["BLOCK_M"])
-    out = poisoned((M * k, w.shape[1]), x.dtype, x.device)    # an unwritten row stays NaN and fails
+    out = poisoned((M * k, w.shape[1]), x.dtype, x.device)
     weights = p.topk_weights.reshape(-1).float().contiguous() if mul else None
-    return moe_gemm(x, w, blocks, out, top_k=k, topk_weights=weights, tiles=tiles, lora=lora)
+    return gemm(x, w, blocks, out, top_k=k, topk_weights=weights, tiles=tiles)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("M, rank, kw", [(9, 8, dict(no_adapter_fraction=0.3)), (20, 5, {}), (1, 16, {})])
-def test_in_gemm_lora_matches_reference(device, dtype, M, rank, kw):
-    """w13 (token rows, 2 slices of 40 columns) and w2 (pair rows, routing weights)."""
-    p = case(device, dtype, M, rank, seed=M + rank, **kw)
-    tl32 = p.token_lora.to(torch.int32)
-    out13 = run(p, p.x, p.w13, GemmLoRA(tl32, p.w13_lora_a, p.w13_lora_b), mul=False)
-    assert_close(out13, expected(p, p.x, p.w13, p.w13_lora_a, p.w13_lora_b, False), dtype)
-    h = torch.randn(M * SHAPE.top_k, SHAPE.intermediate, device=device, dtype=dtype)
-    out2 = run(p, h, p.w2, GemmLoRA(tl32, p.w2_lora_a, p.w2_lora_b), mul=True)
-    assert_close(out2, expected(p, h, p.w2, p.w2_lora_a, p.w2_lora_b, True), dtype)
+def run(p, x, w, mul, **tile_changes):
+    return launch(moe_gemm, p, x, w, mul, **tile_changes)
 
 
 def last_blocks_by_half(blocks, num_pairs):
@@ -63,28 +57,27 @@ def last_blocks_by_half(blocks, num_pairs):
     return firsts, len(last) - firsts
 
 
-@pytest.mark.parametrize("with_lora, block_m", [(False, 16), (True, 16), (False, 8)])
-def test_half_tiles_for_blocks_whose_second_half_is_padding(device, block_m, with_lora):
-    """HALF_TAIL: a block whose pairs end in its first half runs a tile of half the rows; every row still
-    written (the output is poisoned) and equal to the reference, with last blocks of both kinds present."""
+def half_tile_case(device, block_m):
+    """A problem (29 tokens, fp32) and a w2 input h whose experts' last blocks of ``block_m`` pairs end in
+    both halves, some in the first (a half tile with HALF_TAIL), some in the second."""
     M = 29
     p = case(device, torch.float32, M, 8, seed=11, no_adapter_fraction=0.3)
     k, E = SHAPE.top_k, SHAPE.num_experts
-    blocks = make_blocks(p.topk_ids, None, E, 1, block_m)
-    firsts, seconds = last_blocks_by_half(blocks, M * k)
+    firsts, seconds = last_blocks_by_half(make_blocks(p.topk_ids, None, E, 1, block_m), M * k)
     assert firsts > 0 and seconds > 0, (firsts, seconds)
-    tl32 = p.token_lora.to(torch.int32)
-    lora13 = GemmLoRA(tl32, p.w13_lora_a, p.w13_lora_b) if with_lora else None
-    zeros13 = [torch.zeros_like(a) for a in p.w13_lora_a]
-    want13 = expected(p, p.x, p.w13, p.w13_lora_a if with_lora else zeros13, p.w13_lora_b, False)
-    h = torch.randn(M * k, SHAPE.intermediate, device=device, dtype=torch.float32)
-    lora2 = GemmLoRA(tl32, p.w2_lora_a, p.w2_lora_b) if with_lora else None
-    zeros2 = [torch.zeros_like(a) for a in p.w2_lora_a]
-    want2 = expected(p, h, p.w2, p.w2_lora_a if with_lora else zeros2, p.w2_lora_b, True)
+    return p, torch.randn(M * k, SHAPE.intermediate, device=device, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("block_m", [16, 8])
+def test_half_tiles_for_blocks_whose_second_half_is_padding(device, block_m):
+    """HALF_TAIL: a block whose pairs end in its first half runs a tile of half the rows; every row still
+    written (the output is poisoned) and equal to the reference, with last blocks of both kinds present."""
+    p, h = half_tile_case(device, block_m)
+    want13, want2 = expected_base(p, p.x, p.w13, False), expected_base(p, h, p.w2, True)
     for half in (True, False):
         tiles = dict(BLOCK_M=block_m, HALF_TAIL=half)
-        assert_close(run(p, p.x, p.w13, lora13, mul=False, **tiles), want13, torch.float32)
-        assert_close(run(p, h, p.w2, lora2, mul=True, **tiles), want2, torch.float32)
+        assert_close(run(p, p.x, p.w13, mul=False, **tiles), want13, torch.float32)
+        assert_close(run(p, h, p.w2, mul=True, **tiles), want2, torch.float32)
 
 
 def test_rows_computed_counts_whole_and_half_tiles():
@@ -102,27 +95,21 @@ def test_half_tail_rule_and_its_errors(device):
     assert [moe.half_tail(bm) for bm in (16, 64, 128, 256)] == [False, False, True, True]
     p = case(device, torch.float32, 5, 8, seed=1)
     with pytest.raises(ValueError, match="tiles: HALF_TAIL must be True or False"):
-        run(p, p.x, p.w13, None, mul=False, HALF_TAIL="yes")
+        run(p, p.x, p.w13, mul=False, HALF_TAIL="yes")
     with pytest.raises(ValueError, match="True with an even BLOCK_M"):
-        run(p, p.x, p.w13, None, mul=False, BLOCK_M=5, HALF_TAIL=True)
+        run(p, p.x, p.w13, mul=False, BLOCK_M=5, HALF_TAIL=True)
 
 
-@pytest.mark.parametrize("with_lora", [False, True])
 @pytest.mark.parametrize("tiles", [{}, dict(BLOCK_N=32, BLOCK_K=16)])
-def test_w_tiles_by_tma_match_reference(device, with_lora, tiles):
+def test_w_tiles_by_tma_match_reference(device, tiles):
     """W_TMA: the W tile as one bulk copy of the [E*N, K] view; N and K not multiples of the tiles, so
     tiles reach into the next expert's rows (never stored) and past the tensor (zeros)."""
     p = case(device, torch.float16, 13, 8, seed=3, no_adapter_fraction=0.3)
-    tl32 = p.token_lora.to(torch.int32)
-    lora13 = GemmLoRA(tl32, p.w13_lora_a, p.w13_lora_b) if with_lora else None
-    out13 = run(p, p.x, p.w13, lora13, mul=False, W_TMA=True, **tiles)
-    a13, b13 = (p.w13_lora_a, p.w13_lora_b) if with_lora else ([torch.zeros_like(a) for a in p.w13_lora_a],
-                                                                 p.w13_lora_b)
-    assert_close(out13, expected(p, p.x, p.w13, a13, b13, False), torch.float16)
+    out13 = run(p, p.x, p.w13, mul=False, W_TMA=True, **tiles)
+    assert_close(out13, expected_base(p, p.x, p.w13, False), torch.float16)
     h = torch.randn(13 * SHAPE.top_k, SHAPE.intermediate, device=device, dtype=torch.float16)
-    zeros2 = [torch.zeros_like(a) for a in p.w2_lora_a]
-    out2 = run(p, h, p.w2, None, mul=True, W_TMA=True, **tiles)
-    assert_close(out2, expected(p, h, p.w2, zeros2, p.w2_lora_b, True), torch.float16)
+    out2 = run(p, h, p.w2, mul=True, W_TMA=True, **tiles)
+    assert_close(out2, expected_base(p, h, p.w2, True), torch.float16)
 
 
 def test_w_tma_auto_loads_by_tma_where_it_can(device):
@@ -133,11 +120,11 @@ def test_w_tma_auto_loads_by_tma_where_it_can(device):
     hopper = torch.device(device).type == "cuda" and torch.cuda.get_device_capability()[0] >= 9
     assert moe._tma_fits(p.w13) == (hopper and not moe.INTERPRET) and not moe._tma_fits(strided)
     assert not moe._tma_fits(p.w13.float())                                 # 16-bit weights only
-    want = expected(p, p.x, p.w13, [torch.zeros_like(a) for a in p.w13_lora_a], p.w13_lora_b, False)
+    want = expected_base(p, p.x, p.w13, False)
     for w in (p.w13, strided):
-        assert_close(run(p, p.x, w, None, mul=False, W_TMA="auto"), want, torch.float16)
+        assert_close(run(p, p.x, w, mul=False, W_TMA="auto"), want, torch.float16)
     with pytest.raises(ValueError, match="tiles: W_TMA must be True, False or 'auto', got 'yes'"):
-        run(p, p.x, p.w13, None, mul=False, W_TMA="yes")
+        run(p, p.x, p.w13, mul=False, W_TMA="yes")
     assert all(moe.gpu_gemm_tiles(pe, lora=lora)["W_TMA"] == "auto" for pe in (1, 24, 200) for lora in (False, True))
 
 
@@ -145,11 +132,11 @@ def test_w_tma_refuses_a_strided_weight(device):
     p = case(device, torch.float16, 4, 8, seed=0)
     strided = p.w13.transpose(1, 2).contiguous().transpose(1, 2)          # same values, K not fastest
     with pytest.raises(ValueError, match="w: W_TMA=True needs rows of unit column stride"):
-        run(p, p.x, strided, None, mul=False, W_TMA=True)
+        run(p, p.x, strided, mul=False, W_TMA=True)
     odd = torch.full((*p.w13.shape[:2], p.w13.shape[2] + 3), float("nan"), device=device, dtype=torch.float16)
     odd[:, :, :p.w13.shape[2]] = p.w13                                  # rows 6 bytes apart from 16-byte steps
     with pytest.raises(ValueError, match="16-byte aligned"):
-        run(p, p.x, odd[:, :, :p.w13.shape[2]], None, mul=False, W_TMA=True)
+        run(p, p.x, odd[:, :, :p.w13.shape[2]], mul=False, W_TMA=True)
 
 
 @pytest.mark.parametrize("w_tma", [True, "auto"])
@@ -162,54 +149,8 @@ def test_a_column_slice_of_a_wider_weight_by_tma(device, w_tma):
     wide[:, :, :K] = p.w13
     view = wide[:, :, :K]
     assert moe._tma_refusal(view) == moe._tma_refusal(p.w13)         # accepted wherever the contiguous one is
-    want = expected(p, p.x, p.w13, [torch.zeros_like(a) for a in p.w13_lora_a], p.w13_lora_b, False)
-    assert_close(run(p, p.x, view, None, mul=False, W_TMA=w_tma), want, torch.float16)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_lora_expand_in_the_epilogue_reads_only_what_the_shrink_wrote(device, dtype):
-    """GemmLoRA(shrunk=T): the GEMM skips the shrink and expands T in its epilogue; T rows of pairs
-    without an adapter and ranks past a slot's rank are NaN and must never be read."""
-    p = case(device, dtype, 11, 8, seed=5, no_adapter_fraction=0.3, adapter_ranks=(8, 3, 5))
-    tl32, ranks = p.token_lora.to(torch.int32), torch.tensor([8, 3, 5], dtype=torch.int32, device=device)
-    t13 = shrink_spec(p, p.x, p.w13_lora_a, ranks)
-    out13 = run(p, p.x, p.w13, GemmLoRA(tl32, p.w13_lora_a, p.w13_lora_b, ranks, shrunk=t13), mul=False)
-    assert_close(out13, expected(p, p.x, p.w13, p.w13_lora_a, p.w13_lora_b, False, ranks), dtype)
-    doubled = run(p, p.x, p.w13, GemmLoRA(tl32, p.w13_lora_a, p.w13_lora_b, ranks, shrunk=2 * t13), mul=False)
-    base = expected(p, p.x, p.w13, [torch.zeros_like(a) for a in p.w13_lora_a], p.w13_lora_b, False)
-    assert_close(doubled, 2 * out13.float() - base, dtype)      # the GEMM expands the T it is given
-    h = torch.randn(11 * SHAPE.top_k, SHAPE.intermediate, device=device, dtype=dtype)
-    t2 = shrink_spec(p, h, p.w2_lora_a, ranks)
-    out2 = run(p, h, p.w2, GemmLoRA(tl32, p.w2_lora_a, p.w2_lora_b, ranks, shrunk=t2), mul=True)
-    assert_close(out2, expected(p, h, p.w2, p.w2_lora_a, p.w2_lora_b, True, ranks), dtype)
-
-
-def test_in_gemm_lora_touches_only_rows_with_an_adapter(device):
-    """With adapters on some tokens only, the other rows are exactly the base GEMM."""
-    p = case(device, torch.float32, 12, 8, seed=3, no_adapter_fraction=0.5)
-    tl32 = p.token_lora.to(torch.int32)
-    with_lora = run(p, p.x, p.w13, GemmLoRA(tl32, p.w13_lora_a, p.w13_lora_b), mul=False)
-    base = run(p, p.x, p.w13, None, mul=False)
-    none = (p.token_lora < 0).repeat_interleave(SHAPE.top_k)
-    assert none.any() and (~none).any()
-    # exact on a GPU; the interpreter's dots go through NumPy's BLAS, whose rounding may differ in the last
-    # bit between two launches of different kernels: a LoRA term would differ by far more than that
-    exact = dict(rtol=0, atol=0) if device == "cuda" else dict(rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(with_lora[none], base[none], **exact)
-    assert not torch.allclose(with_lora[~none], base[~none])
-
-
-def test_in_gemm_lora_reads_only_each_slots_rank(device):
-    """Weights past a slot's actual rank are NaN: they must never be read."""
-    p = case(device, torch.float32, 10, 16, seed=4, adapter_ranks=(3, 16, 8))
-    ranks = torch.tensor(p.adapter_ranks, device=device, dtype=torch.int32)
-    lora_a, lora_b = [a.clone() for a in p.w13_lora_a], [b.clone() for b in p.w13_lora_b]
-    for slot, r in enumerate(p.adapter_ranks):
-        for a, b in zip(lora_a, lora_b):
-            a[slot, :, r:] = float("nan")
-            b[slot, :, :, r:] = float("nan")
-    out = run(p, p.x, p.w13, GemmLoRA(p.token_lora.to(torch.int32), lora_a, lora_b, ranks), mul=False)
-    assert_close(out, expected(p, p.x, p.w13, lora_a, lora_b, False, ranks), torch.float32)
+    want = expected_base(p, p.x, p.w13, False)
+    assert_close(run(p, p.x, view, mul=False, W_TMA=w_tma), want, torch.float16)
 
 
 def test_fused_columns():

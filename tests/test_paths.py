@@ -25,8 +25,41 @@ def test_every_entry_is_complete():
     assert set(PATHS) == {"reference", "two_kernel", "one_shot", "small_batch"}
     for name, p in PATHS.items():
         assert p.name == name and callable(p.launch) and Path(README.parent / p.kernels).exists()
+        assert p.status in paths.STATUSES
     assert PATH_CHOICES == tuple(PATHS) + ("auto",)
     assert TRITON_PATHS == ("two_kernel", "one_shot", "small_batch")
+    assert [n for n, p in PATHS.items() if p.status == "experiment"] == ["small_batch"]
+
+
+def test_experiment_rows_name_their_launcher_by_import_path():
+    """An experiment row's launcher is a "module:function" string, imported on first use, so that the
+    product's table never imports ``moelora_lab.experiments``; a malformed row is refused when built."""
+    row = PATHS["small_batch"]
+    assert row.launcher == "moelora_lab.experiments.small_batch:launch"
+    assert row.kernels == "moelora_lab/experiments/kernels/small_batch.py"
+    from moelora_lab.experiments import small_batch
+    assert row.launch is small_batch.launch
+    assert PATHS["one_shot"].launch is paths.launch_one_shot          # a product row may hold the function itself
+    with pytest.raises(ValueError, match="status 'lost' is not one of product, experiment"):
+        replace(row, status="lost")
+    with pytest.raises(ValueError, match="launcher must be a function or 'module:function'"):
+        replace(row, launcher="moelora_lab.experiments.small_batch.launch")
+
+
+def test_auto_never_resolves_to_an_experiment_row(monkeypatch):
+    """``auto`` picks among product rows only: not when the rule names an experiment row, not as the next
+    path that runs a call the rule's pick cannot, and not beside the base GEMMs; by name, it runs."""
+    kw = dict(num_experts=128, num_loras=4, add_inputs=True, token_rows=True)
+    picks = {resolve_path("auto", num_pairs=pairs, rank=rank, n_out=n_out, side_stream=side, **kw)
+             for pairs in (1, 2, 8, 16, 64, 512, 4096, 65536) for rank in (4, 16, 64, 128, 256, 512)
+             for n_out in (None, 768, 4096) for side in (False, True)}
+    assert picks and all(PATHS[n].status == "product" for n in picks)
+    monkeypatch.setattr(paths, "choose_path", lambda *a: "small_batch")              # a rule that names one
+    assert resolve_path("auto", num_pairs=4, rank=16, **kw) == "two_kernel"
+    capped = {n: replace(p, max_rank=8) if n in ("two_kernel", "one_shot") else p for n, p in PATHS.items()}
+    monkeypatch.setattr(paths, "PATHS", capped)              # only the experiment row runs r=16: the spec does
+    assert resolve_path("auto", num_pairs=4, rank=16, **kw) == "reference"
+    assert resolve_path("small_batch", num_pairs=4, rank=16, **kw) == "small_batch"
 
 
 def test_unknown_names_list_the_table():
@@ -69,42 +102,19 @@ def test_every_path_of_the_table_runs(device, name):
     assert_close(out, ml.moe_lora_reference(**p.w13_lora_inputs()), torch.float32)
 
 
-@pytest.mark.parametrize("build", [dict(both_slices=True), dict(prefetch_out=True, expand_stages=1),
-                                   dict(clamp_ranks=True, prefetch_out=False), dict(prefetch_out=False, expand_stages=0)])
-def test_every_one_shot_build_computes_the_reference(device, build):
-    """Each way of building the one-shot kernel (``paths.one_shot_build``) gives the reference's answer into a
-    poisoned output (and leaves the rows of tokens without an adapter alone), on both ops (w2: one slice, so
-    both_slices changes nothing there), with a rank that is not a power of two, and the build is restored
-    afterwards."""
-    p = lora_case(7, device=device, seed=3, rank=12, no_adapter_fraction=0.3)
-    h = torch.randn(p.topk_ids.numel(), p.w2_lora_a[0].shape[-1], generator=torch.Generator().manual_seed(1))
-    w2 = dict(x=h.to(device), topk_ids=p.topk_ids, topk_weights=p.topk_weights, token_lora=p.token_lora,
-              lora_a=p.w2_lora_a, lora_b=p.w2_lora_b, mul_routed_weight=True)
-    for inputs in (p.w13_lora_inputs(), w2):
-        want = ml.moe_lora_reference(**inputs)
-        with paths.one_shot_build(**build):
-            got = ml.moe_lora(**inputs, path="one_shot", output=torch.full_like(want, float("nan")), add_inputs=False)
-        owned = p.token_lora >= 0                    # rows of tokens without an adapter are left as they were
-        assert bool(owned.any()) and bool((~owned).any()) and bool(got[~owned].isnan().all())
-        assert_close(got[owned], want[owned], torch.float32)
-    assert paths.ONE_SHOT_BUILD == paths.OneShotBuild()
-
-
-def test_one_shot_build_refuses_what_it_cannot_build():
-    with pytest.raises(TypeError, match="one_shot_build: .*unexpected keyword argument 'stages'.*the fields are "
-                                        "both_slices, prefetch_out, expand_stages, clamp_ranks"):
-        with paths.one_shot_build(stages=2):
-            pass
-    with pytest.raises(TypeError, match="one_shot_build: both_slices must be True or False, got 1"):
-        with paths.one_shot_build(both_slices=1):
-            pass
-    with pytest.raises(ValueError, match="expand_stages"):
-        with paths.one_shot_build(expand_stages=-1):
-            pass
-    with pytest.raises(RuntimeError):              # an error inside the block still restores the build
-        with paths.one_shot_build(prefetch_out=False):
-            raise RuntimeError
-    assert paths.ONE_SHOT_BUILD == paths.OneShotBuild()
+def test_one_shot_launch_wants_contiguous_output_columns(device):
+    """The one-shot kernel takes the output's columns as contiguous (the op's output always has them): a
+    launch on any other layout is refused, not computed wrong."""
+    from moelora_lab.op.face import run_lora
+    from moelora_lab.routing.device import make_blocks
+    p = lora_case(4, device=device, seed=2)
+    kw = p.w13_lora_inputs()
+    M, k = p.topk_ids.shape
+    out = torch.zeros(M, k, 2 * p.w13_lora_b[0].shape[2], 2, device=device)[..., 0]    # column stride 2
+    blocks = make_blocks(p.topk_ids, p.token_lora, p.w13_lora_a[0].shape[1], p.w13_lora_a[0].shape[0], 16)
+    with pytest.raises(ValueError, match="output: the one-shot path needs contiguous columns \\(column stride 2\\)"):
+        run_lora(kw["x"], p.topk_ids, kw["topk_weights"], p.token_lora, kw["lora_a"], kw["lora_b"], out, blocks,
+                 "one_shot")
 
 
 def test_auto_picks_by_the_real_ranks_given_on_the_cpu():

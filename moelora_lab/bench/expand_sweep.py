@@ -1,8 +1,8 @@
 """``python -m moelora_lab.bench expand``: what each choice in the one-shot kernel's build buys. The
-one-shot path, with the tiles the rule gives it, is timed built each way of ``VARIANTS``
-(``paths.one_shot_build``), all of a case in interleaved rounds, after each one's output has been
-checked against the reference; LoRA B as given (r fastest) and, at the M in ``--packed-tokens``,
-packed N-fastest (``ops.pack_lora_b``).
+one-shot path, with the tiles the rule gives it, is timed built each way of ``VARIANTS`` (the kernel
+that keeps every build knob: ``experiments.one_shot_builds``), all of a case in interleaved rounds,
+after each one's output has been checked against the reference; LoRA B as given (r fastest) and, at
+the M in ``--packed-tokens``, packed N-fastest (``op.face.pack_lora_b``).
 
 Shape legend: M tokens, E experts, k top-k, L adapters, r rank, K in, N out, S slices.
 """
@@ -14,8 +14,8 @@ import torch
 
 from ..config import MoEShape, random_lora_weights
 from ..op.dispatch import choose_config
-from ..op.face import moe_lora, pack_lora_b
-from ..op.paths import OneShotBuild, one_shot_build
+from ..experiments.one_shot_builds import OneShotBuild, moe_lora_built
+from ..op.face import pack_lora_b
 from ..profile import timing
 from ..profile.traffic import count_workload, lora_op_traffic
 from ..reference import moe_lora_reference
@@ -73,10 +73,9 @@ def run(args) -> list[dict]:
                 if name not in args.variants or (w13_only and S != 2):
                     continue
 
-                def fn(build=build, output=out):
-                    with one_shot_build(**build):
-                        return moe_lora(x, ids, tw, tl, lora_a, b, path="one_shot", mul_routed_weight=op == "w2",
-                                        output=output, add_inputs=True, blocks=blocks, config=cfg)
+                def fn(build=OneShotBuild(**build), output=out):
+                    return moe_lora_built(build, x, ids, tw, tl, lora_a, b, output, blocks, cfg,
+                                          mul_routed_weight=op == "w2", add_inputs=True)
                 got = fn(output=torch.zeros_like(out)).float()
                 if not close(got, want):
                     raise RuntimeError(f"{shape.name} {op} M={M} r={rank} {layout}: the {name} build computes a "

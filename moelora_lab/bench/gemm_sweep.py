@@ -19,7 +19,8 @@ import torch
 
 from ..routing.device import make_blocks
 from ..config import MoEShape, layer_lora_weights
-from ..base_moe import GemmLoRA, gemm_tiles, moe_gemm
+from ..base_moe import gemm_tiles, moe_gemm
+from ..experiments.in_gemm import GemmLoRA, moe_gemm_lora
 from ..profile import timing
 from ..profile.gpu_state import GpuMonitor
 from ..results import write_csv
@@ -92,8 +93,11 @@ def run(args) -> list[dict]:
                         bm = tiles["BLOCK_M"]
                         if bm not in blocks:
                             blocks[bm] = make_blocks(ids, None, E, 1, bm)
-                        fn = lambda: moe_gemm(inp, w, blocks[bm], out, top_k=k, topk_weights=weights,
-                                              tiles=tiles, lora=extra)
+                        if extra is None:
+                            fn = lambda: moe_gemm(inp, w, blocks[bm], out, top_k=k, topk_weights=weights, tiles=tiles)
+                        else:
+                            fn = lambda: moe_gemm_lora(inp, w, blocks[bm], out, extra, top_k=k, topk_weights=weights,
+                                                       tiles=tiles)
                         error, med, p20, p80 = "", "", "", ""
                         state = GpuMonitor(reader=None)
                         try:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from ..kernels.in_join import act_lora_kernel, sum_lora_kernel
+from .kernels.in_join import act_lora_kernel, sum_lora_kernel
 from ..layer.streams import Streams
 from ..layer.table import LayerCall
 from ..layer.two_kernel import buffers

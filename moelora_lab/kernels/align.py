@@ -104,12 +104,15 @@ def _table(block_lora_ptr, block_expert_ptr, sorted_pairs_ptr, b, first, totals,
 
 @triton.jit
 def count_kernel(
+    # ---- pointers
     topk_ids_ptr,      # [n] int32/int64 expert of each pair
     token_lora_ptr,    # [M] int32/int64 adapter of each token, -1 = none
     counts_ptr,        # [NL, NC, GP] int32 out
     ranks_ptr,         # [NL, n] int32 out (RANKS): each pair's place among its group's pairs in its chunk
+    # ---- sizes (then each list's G, BS, B, pairs offset, block offset and by-adapter flag: ``_list``)
     n, top_k, E, num_chunks,
     G0, BS0, B0, P0, BA0, BY0, G1, BS1, B1, P1, BA1, BY1,
+    # ---- meta-parameters
     SUB: tl.constexpr, GP: tl.constexpr, RANKS: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program (chunk, list): how many pairs of each group chunk c holds (zero for the others)."""
@@ -135,9 +138,12 @@ def count_kernel(
 
 @triton.jit
 def scan_kernel(
+    # ---- pointers
     counts_ptr,        # [NL, NC, GP] int32 in: per-chunk counts; out: pairs of the group in earlier chunks
     totals_ptr,        # [NL, GP] int32 out: pairs of each group
+    # ---- sizes
     num_chunks,
+    # ---- meta-parameters
     CT: tl.constexpr, GB: tl.constexpr, GP: tl.constexpr, PDL: tl.constexpr = False,
 ):
     if PDL:
@@ -161,15 +167,19 @@ def scan_kernel(
 
 @triton.jit
 def place_kernel(
-    topk_ids_ptr, token_lora_ptr,
+    # ---- pointers
+    topk_ids_ptr,      # [n] int32/int64 expert of each pair
+    token_lora_ptr,    # [M] int32/int64 adapter of each token, -1 = none
     counts_ptr,        # [NL, NC, GP] int32 from scan_kernel
     totals_ptr,        # [NL, GP] int32 from scan_kernel
     ranks_ptr,         # [NL, n] int32 from count_kernel (RANKS)
     sorted_pairs_ptr,  # [sum of B*BS] int32 out: every list's pairs, end to end
     block_lora_ptr,    # [sum of B] int32 out: adapter of each block (0 for lists by expert), -1 = unused
     block_expert_ptr,  # [sum of B] int32 out: expert of each block, -1 = unused
+    # ---- sizes (then each list's G, BS, B, pairs offset, block offset and by-adapter flag: ``_list``)
     n, top_k, E, num_chunks,
     G0, BS0, B0, P0, BA0, BY0, G1, BS1, B1, P1, BA1, BY1,
+    # ---- meta-parameters
     SUB: tl.constexpr, GP: tl.constexpr, BB: tl.constexpr, BSP: tl.constexpr, RANKS: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
@@ -197,12 +207,16 @@ def place_kernel(
 
 @triton.jit
 def recount_kernel(
-    topk_ids_ptr, token_lora_ptr,
+    # ---- pointers
+    topk_ids_ptr,      # [n] int32/int64 expert of each pair
+    token_lora_ptr,    # [M] int32/int64 adapter of each token, -1 = none
     sorted_pairs_ptr,  # [sum of B*BS] int32 out: every list's pairs, end to end
     block_lora_ptr,    # [sum of B] int32 out: adapter of each block (0 for lists by expert), -1 = unused
     block_expert_ptr,  # [sum of B] int32 out: expert of each block, -1 = unused
+    # ---- sizes (then each list's G, BS, B, pairs offset, block offset and by-adapter flag: ``_list``)
     n, top_k, E, num_chunks,
     G0, BS0, B0, P0, BA0, BY0, G1, BS1, B1, P1, BA1, BY1,
+    # ---- meta-parameters
     SUB: tl.constexpr, HB: tl.constexpr, GP: tl.constexpr, BB: tl.constexpr, BSP: tl.constexpr,
 ):
     """Program (chunk or table part, list): the whole list in one launch. No program waits for another's
@@ -247,12 +261,16 @@ def _min(a, b):
 
 @triton.jit
 def sort_kernel(
-    topk_ids_ptr, token_lora_ptr,
+    # ---- pointers
+    topk_ids_ptr,      # [n] int32/int64 expert of each pair
+    token_lora_ptr,    # [M] int32/int64 adapter of each token, -1 = none
     sorted_pairs_ptr,  # [sum of B*BS] int32 out: every list's pairs, end to end
     block_lora_ptr,    # [sum of B] int32 out: adapter of each block (0 for lists by expert), -1 = unused
     block_expert_ptr,  # [sum of B] int32 out: expert of each block, -1 = unused
+    # ---- sizes (then each list's G, BS, B, pairs offset, block offset and by-adapter flag: ``_list``)
     n, top_k, E,
     G0, BS0, B0, P0, BA0, BY0, G1, BS1, B1, P1, BA1, BY1,
+    # ---- meta-parameters
     NP: tl.constexpr, FILL: tl.constexpr,
 ):
     """Program (list): the whole list from n <= NP pairs held in registers."""

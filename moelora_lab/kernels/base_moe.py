@@ -1,18 +1,10 @@
 """The base MoE layer's kernels: grouped GEMM over expert-sorted blocks, activation, top-k sum.
 
 Shape legend: M tokens, k top-k, E experts, K in, N out, H hidden, I expert intermediate,
-L adapters, r rank, S slices, P = M*k pairs, BM = BLOCK_M pairs per block, B blocks.
+S slices, P = M*k pairs, BM = BLOCK_M pairs per block, BN = BLOCK_N, BK = BLOCK_K, B blocks.
 
-With HAS_LORA the grouped GEMM also computes the LoRA of every row in the same pass ("in-GEMM
-LoRA"): the shrink of all the block's adapters rides along the K loop on the x tile already in
-registers (A is stacked as BLOCK_LR = L*r columns, and columns of adapters no row uses are never
-loaded), and the expand is one more dot into the accumulator. No extra launch, no delta buffer, no
-join. The shrink is recomputed by every N tile and covers all adapters present in the block, so it
-pays where the GEMM waits on memory (small M), not where it is compute-bound. (A variant that
-branched at run time to a narrow shrink for blocks with a single adapter measured slower on the
-H200: the three loops cost more than the columns they saved.) With T_IN the shrink T = A x was
-computed beforehand, once per pair, by the two-kernel path's shrink, and only the expand runs here,
-before the K loop: one dot of K = L*r per output tile.
+The grouped GEMM's pieces (``half_tile``, ``tile_operands``, ``x_tile``, ``w_tile``, ``store_tile``) are
+also those of the experiments' GEMM that carries the LoRA inside (``experiments/kernels/in_gemm``).
 
 The activation and the top-k sum are where the dual-stream layer joins the LoRA stream: they read
 the LoRA delta only for pairs whose token has an adapter (HAS_DELTA), so the delta buffers need no
@@ -21,131 +13,77 @@ zero-fill and no separate add pass.
 import triton
 import triton.language as tl
 
-from .common import gemm_tile, rows_at, slice_pointers, slot_rank
-
-
-@triton.jit
-def _expand(acc, t, hit, col_ok, col_l, col_r, b_ptr, expert, n_local, n_ok, stride_be, stride_bl, stride_br,
-            stride_bn, dtype: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """acc += T (each row's own adapter's stacked columns only) @ B[adapter, e, n-tile, rank]^T."""
-    t = tl.where(hit & col_ok[None, :], t, 0.0).to(dtype)
-    bt = tl.load(b_ptr + expert.to(tl.int64) * stride_be + col_l.to(tl.int64)[:, None] * stride_bl
-                 + col_r[:, None] * stride_br + n_local[None, :] * stride_bn,
-                 mask=col_ok[:, None] & n_ok[None, :], other=0.0)                     # [LR, BN]
-    return tl.dot(t, bt, acc, input_precision=DOT_PRECISION)
+from .common import gemm_tile, rows_at
 
 
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
 @triton.jit
 def moe_gemm_kernel(
+    # pointers
     x_ptr,             # [M, K] (TOKEN_ROWS) or [P, K]; fp32/fp16/bf16
     w_ptr,             # [E, N, K] expert weights, x's dtype
-    w_desc,            # TMA descriptor of W viewed [E*N, K], box [BLOCK_N, BLOCK_K] (read if W_TMA)
+    w_desc,            # TMA descriptor of W viewed [E*N, K], box [BN, BK] (read if W_TMA)
     out_ptr,           # [P, N] one row per pair, x's dtype
     topk_weights_ptr,  # [P] fp32 (read if MUL_ROUTED_WEIGHT)
     sorted_pairs_ptr,  # [B*BM] int32 pairs grouped by expert, sentinel P
     block_expert_ptr,  # [B] int32 expert of each block, -1 = unused
-    token_lora_ptr,    # [M] int32 adapter of each token, -1 = none (read if HAS_LORA)
-    a0_ptr, a1_ptr,    # LoRA A of slices 0 and 1: [L, E, r, K], x's dtype (read if HAS_LORA)
-    b0_ptr, b1_ptr,    # LoRA B of slices 0 and 1: [L, E, N/S, r], x's dtype (read if HAS_LORA)
-    lora_ranks_ptr,    # [L] int32 actual rank of each slot (read if HAS_RANKS)
-    t_ptr,             # [S, P, r] the shrink computed beforehand, x's dtype (read if T_IN)
-    num_pairs, top_k, K, N, num_blocks, num_loras, R,
-    n_slice,           # columns per slice: N (no LoRA, or S = 1) or N / 2 (w13 with LoRA)
-    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_om, stride_on,
-    stride_al, stride_ae, stride_ar, stride_ak, stride_bl, stride_be, stride_bn, stride_br,
-    stride_ts, stride_tp, stride_tr,
+    # sizes
+    num_pairs, top_k, K, N, num_blocks,
+    n_slice,           # columns per slice: N, or N / S with an x tail of S slices
     x_cols,            # X_TAIL: x's own columns (<= tail_at); K - tail_at tail columns follow
-    tail_at,           # X_TAIL: the K step where the tail starts (a multiple of BLOCK_K)
+    tail_at,           # X_TAIL: the K step where the tail starts (a multiple of BK)
     tail_off,          # X_TAIL: the tail T [S, P, K - tail_at] as an element offset from x_ptr (unit column stride)
+    # strides
+    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_om, stride_on,
+    stride_ts, stride_tp,             # X_TAIL: T's slice and pair strides
+    # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    BLOCK_LR: tl.constexpr,           # >= L*r: the stacked (adapter, rank) columns of the LoRA shrink
-    TOKEN_ROWS: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr,
-    HAS_LORA: tl.constexpr, HAS_RANKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TOKEN_ROWS: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     W_TMA: tl.constexpr,              # W tiles through the tensor memory accelerator (Hopper and later)
-    T_IN: tl.constexpr,               # with HAS_LORA: read the shrink from t_ptr, expand before the K loop
     X_TAIL: tl.constexpr = False,     # K steps from tail_at on read the pair's row of T (LoRA in K), not x
-    HALF_TAIL: tl.constexpr = False,  # a block whose second half is padding runs a BLOCK_M / 2 tile
+    HALF_TAIL: tl.constexpr = False,  # a block whose second half is padding runs a BM / 2 tile
 ):
-    """Program (block, N tile): out[rows, n-tile] = (w *) (X[rows] @ W[e, n-tile]^T + LoRA of each row).
+    """Program (block, N tile): out[rows, n-tile] = (w *) X[rows] @ W[e, n-tile]^T.
 
     Programs are numbered GROUP_M blocks at a time, N tiles inside a group, so neighbours in time
-    share x rows (and, with HAS_LORA, the block's A rows) through L2. With W_TMA the W tile is one
-    bulk copy of BLOCK_N rows of the [E*N, K] view (rows past the tile's N are read but never stored;
-    rows and columns past the tensor arrive as zeros). With X_TAIL, x is widened by each pair's own
-    row of T: one K loop whose steps past tail_at read T (pair rows) instead of x (token rows), by
-    switching the rows' offsets, so the LoRA rides the same pipeline (x's columns unit-strided).
-    With HALF_TAIL, the last block of an expert whose pairs end in its first half (its slot BLOCK_M / 2
-    holds the sentinel: a group's pairs fill its blocks from the front) multiplies a tile of half the
-    rows, so the padding rows an expert's last block computes are at most BLOCK_M / 2 - 1, not BLOCK_M - 1.
+    share x rows through L2. With W_TMA the W tile is one bulk copy of BN rows of the [E*N, K] view
+    (rows past the tile's N are read but never stored; rows and columns past the tensor arrive as
+    zeros). With X_TAIL, x is widened by each pair's own row of T: one K loop whose steps past tail_at
+    read T (pair rows) instead of x (token rows), by switching the rows' offsets, so the LoRA rides the
+    same pipeline (x's columns unit-strided). With HALF_TAIL, the last block of an expert whose pairs
+    end in its first half (its slot BM / 2 holds the sentinel: a group's pairs fill its blocks from the
+    front) multiplies a tile of half the rows, so the padding rows an expert's last block computes are
+    at most BM / 2 - 1, not BM - 1.
     """
     block, slice_id, n0 = gemm_tile(tl.program_id(0), N, n_slice, num_blocks, BLOCK_N, GROUP_M)
     expert = tl.load(block_expert_ptr + block)
     if expert < 0:
         return
     start = block * BLOCK_M
-    half = False
-    if HALF_TAIL:
-        half = tl.load(sorted_pairs_ptr + start + BLOCK_M // 2) >= num_pairs
-    if half:
+    if half_tile(sorted_pairs_ptr, start, num_pairs, BLOCK_M, HALF_TAIL):
         _block_tile(start, expert, slice_id, n0, x_ptr, w_ptr, w_desc, out_ptr, topk_weights_ptr, sorted_pairs_ptr,
-                    token_lora_ptr, a0_ptr, a1_ptr, b0_ptr, b1_ptr, lora_ranks_ptr, t_ptr, num_pairs, top_k, K, N,
-                    num_loras, R, n_slice, stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_om,
-                    stride_on, stride_al, stride_ae, stride_ar, stride_ak, stride_bl, stride_be, stride_bn, stride_br,
-                    stride_ts, stride_tp, stride_tr, x_cols, tail_at, tail_off, BLOCK_M // 2, BLOCK_N, BLOCK_K,
-                    BLOCK_LR, TOKEN_ROWS, MUL_ROUTED_WEIGHT, EVEN_K, HAS_LORA, HAS_RANKS, DOT_PRECISION, W_TMA, T_IN,
-                    X_TAIL)
+                    num_pairs, top_k, K, N, n_slice, x_cols, tail_at, tail_off, stride_xm, stride_xk, stride_we,
+                    stride_wn, stride_wk, stride_om, stride_on, stride_ts, stride_tp, BLOCK_M // 2, BLOCK_N, BLOCK_K,
+                    TOKEN_ROWS, MUL_ROUTED_WEIGHT, EVEN_K, DOT_PRECISION, W_TMA, X_TAIL)
     else:
         _block_tile(start, expert, slice_id, n0, x_ptr, w_ptr, w_desc, out_ptr, topk_weights_ptr, sorted_pairs_ptr,
-                    token_lora_ptr, a0_ptr, a1_ptr, b0_ptr, b1_ptr, lora_ranks_ptr, t_ptr, num_pairs, top_k, K, N,
-                    num_loras, R, n_slice, stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_om,
-                    stride_on, stride_al, stride_ae, stride_ar, stride_ak, stride_bl, stride_be, stride_bn, stride_br,
-                    stride_ts, stride_tp, stride_tr, x_cols, tail_at, tail_off, BLOCK_M, BLOCK_N, BLOCK_K,
-                    BLOCK_LR, TOKEN_ROWS, MUL_ROUTED_WEIGHT, EVEN_K, HAS_LORA, HAS_RANKS, DOT_PRECISION, W_TMA, T_IN,
-                    X_TAIL)
+                    num_pairs, top_k, K, N, n_slice, x_cols, tail_at, tail_off, stride_xm, stride_xk, stride_we,
+                    stride_wn, stride_wk, stride_om, stride_on, stride_ts, stride_tp, BLOCK_M, BLOCK_N, BLOCK_K,
+                    TOKEN_ROWS, MUL_ROUTED_WEIGHT, EVEN_K, DOT_PRECISION, W_TMA, X_TAIL)
 
 
 @triton.jit
 def _block_tile(start, expert, slice_id, n0, x_ptr, w_ptr, w_desc, out_ptr, topk_weights_ptr, sorted_pairs_ptr,
-                token_lora_ptr, a0_ptr, a1_ptr, b0_ptr, b1_ptr, lora_ranks_ptr, t_ptr, num_pairs, top_k, K, N,
-                num_loras, R, n_slice, stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_om, stride_on,
-                stride_al, stride_ae, stride_ar, stride_ak, stride_bl, stride_be, stride_bn, stride_br,
-                stride_ts, stride_tp, stride_tr, x_cols, tail_at, tail_off,
-                BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_LR: tl.constexpr,
-                TOKEN_ROWS: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr,
-                HAS_LORA: tl.constexpr, HAS_RANKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                W_TMA: tl.constexpr, T_IN: tl.constexpr, X_TAIL: tl.constexpr):
+                num_pairs, top_k, K, N, n_slice, x_cols, tail_at, tail_off, stride_xm, stride_xk, stride_we,
+                stride_wn, stride_wk, stride_om, stride_on, stride_ts, stride_tp,
+                BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TOKEN_ROWS: tl.constexpr,
+                MUL_ROUTED_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                W_TMA: tl.constexpr, X_TAIL: tl.constexpr):
     """One output tile of ``moe_gemm_kernel``: the BM pairs from slot ``start`` of ``expert``'s blocks."""
-    pairs, valid, x_rows = rows_at(sorted_pairs_ptr, start, num_pairs, top_k, BM, TOKEN_ROWS)
-    n_local = n0 + tl.arange(0, BLOCK_N)
-    n_ok = n_local < n_slice
-    offs_n = slice_id * n_slice + n_local
-    offs_k = tl.arange(0, BLOCK_K)
-    x_base = x_ptr + x_rows.to(tl.int64)[:, None] * stride_xm
-    w_base = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn
+    pairs, valid, x_rows, n_local, n_ok, offs_n, offs_k, x_base, w_base, w_row0 = tile_operands(
+        start, expert, slice_id, n0, x_ptr, w_ptr, sorted_pairs_ptr, num_pairs, top_k, N, n_slice, stride_xm,
+        stride_we, stride_wn, BM, BLOCK_N, BLOCK_K, TOKEN_ROWS)
     acc = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
-    if HAS_LORA:
-        # column c of the stacked shrink is rank c % r of adapter c // r; it is kept for a row only
-        # if that row's token uses the adapter, and loaded only if some row of the block does
-        cols = tl.arange(0, BLOCK_LR)
-        col_l, col_r = cols // R, cols % R
-        row_l = tl.load(token_lora_ptr + pairs // top_k, mask=valid, other=-1)                # [BM]
-        hit = (row_l[:, None] == col_l[None, :]) & valid[:, None]                              # [BM, LR]
-        col_ok = (tl.max(hit.to(tl.int32), axis=0) > 0) & (col_l < num_loras)
-        col_ok = col_ok & (col_r < slot_rank(lora_ranks_ptr, tl.where(col_ok, col_l, 0), R, HAS_RANKS))
-        col_l, col_r = tl.where(col_ok, col_l, 0), tl.where(col_ok, col_r, 0)
-        a_ptr, b_ptr = slice_pointers(slice_id, a0_ptr, a1_ptr, b0_ptr, b1_ptr)
-        if not T_IN:
-            a_cols = a_ptr + expert.to(tl.int64) * stride_ae + col_l.to(tl.int64) * stride_al + col_r * stride_ar
-            t = tl.zeros((BM, BLOCK_LR), dtype=tl.float32)
-    if HAS_LORA and T_IN:
-        # the shrink came from HBM: expand before the K loop, where its loads overlap the pipeline's
-        # first loads of x and W (after the loop nothing hides them: measured 7-12% slower on the H200)
-        t = tl.load(t_ptr + slice_id * stride_ts + pairs.to(tl.int64)[:, None] * stride_tp
-                    + col_r[None, :] * stride_tr, mask=hit & col_ok[None, :], other=0.0)
-        acc = _expand(acc, t, hit, col_ok, col_l, col_r, b_ptr, expert, n_local, n_ok, stride_be, stride_bl,
-                      stride_br, stride_bn, x_ptr.dtype.element_ty, DOT_PRECISION)
-    w_row0 = expert * N + slice_id * n_slice + n0                                    # the tile's first W row
     if X_TAIL:
         x_off = x_rows.to(tl.int64) * stride_xm                                               # [BM]
         t_off = tail_off + slice_id.to(tl.int64) * stride_ts + pairs.to(tl.int64) * stride_tp   # [BM]
@@ -156,27 +94,70 @@ def _block_tile(start, expert, slice_id, n0, x_ptr, w_ptr, w_desc, out_ptr, topk
             cols = tl.where(tail, ks - tail_at, ks)
             xk = tl.load(x_ptr + tl.where(tail, t_off, x_off)[:, None] + cols[None, :],
                          mask=valid[:, None] & (cols < tl.where(tail, K - tail_at, x_cols))[None, :], other=0.0)
-        elif EVEN_K:
-            xk = tl.load(x_base + ks[None, :] * stride_xk, mask=valid[:, None], other=0.0)
         else:
-            xk = tl.load(x_base + ks[None, :] * stride_xk, mask=valid[:, None] & (ks < K)[None, :], other=0.0)
-        if W_TMA:
-            wk = w_desc.load([w_row0, k0]).T                                              # [BK, BN]
-        elif EVEN_K:
-            wk = tl.load(w_base + ks[:, None] * stride_wk, mask=n_ok[None, :], other=0.0)
-        else:
-            wk = tl.load(w_base + ks[:, None] * stride_wk, mask=n_ok[None, :] & (ks < K)[:, None], other=0.0)
+            xk = x_tile(x_base, ks, valid, K, stride_xk, EVEN_K)
+        wk = w_tile(w_base, w_desc, w_row0, k0, ks, n_ok, K, stride_wk, EVEN_K, W_TMA)
         acc = tl.dot(xk, wk, acc, input_precision=DOT_PRECISION)                  # [BM, BK] @ [BK, BN]
-        if HAS_LORA and not T_IN:
-            if EVEN_K:
-                ak = tl.load(a_cols[None, :] + ks[:, None] * stride_ak, mask=col_ok[None, :], other=0.0)
-            else:
-                ak = tl.load(a_cols[None, :] + ks[:, None] * stride_ak,
-                             mask=col_ok[None, :] & (ks < K)[:, None], other=0.0)
-            t = tl.dot(xk, ak, t, input_precision=DOT_PRECISION)                  # [BM, BK] @ [BK, LR]
-    if HAS_LORA and not T_IN:
-        acc = _expand(acc, t, hit, col_ok, col_l, col_r, b_ptr, expert, n_local, n_ok, stride_be, stride_bl,
-                      stride_br, stride_bn, x_ptr.dtype.element_ty, DOT_PRECISION)
+    store_tile(acc, pairs, valid, offs_n, n_ok, out_ptr, topk_weights_ptr, stride_om, stride_on, MUL_ROUTED_WEIGHT)
+
+
+@triton.jit
+def half_tile(sorted_pairs_ptr, start, num_pairs, BLOCK_M: tl.constexpr, HALF_TAIL: tl.constexpr):
+    """Whether the block from slot ``start`` runs a tile of BLOCK_M / 2 rows: with HALF_TAIL, where its pairs
+    end in its first half (its slot BLOCK_M / 2 holds the sentinel); without, the constant False."""
+    half = False
+    if HALF_TAIL:
+        half = tl.load(sorted_pairs_ptr + start + BLOCK_M // 2) >= num_pairs
+    return half
+
+
+@triton.jit
+def tile_operands(start, expert, slice_id, n0, x_ptr, w_ptr, sorted_pairs_ptr, num_pairs, top_k, N, n_slice,
+                  stride_xm, stride_we, stride_wn, BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  TOKEN_ROWS: tl.constexpr):
+    """The rows and columns of the output tile of BM pairs from slot ``start`` and N tile ``n0`` of slice
+    ``slice_id``, and where its loads start: (pairs [BM], valid [BM], x_rows [BM], n_local [BN] (columns
+    in the slice), n_ok [BN], offs_n [BN] (columns of out), offs_k [BK], x_base [BM, 1] and w_base [1, BN]
+    (pointers), w_row0 (the tile's first row of W viewed [E*N, K]))."""
+    pairs, valid, x_rows = rows_at(sorted_pairs_ptr, start, num_pairs, top_k, BM, TOKEN_ROWS)
+    n_local = n0 + tl.arange(0, BLOCK_N)
+    n_ok = n_local < n_slice
+    offs_n = slice_id * n_slice + n_local
+    offs_k = tl.arange(0, BLOCK_K)
+    x_base = x_ptr + x_rows.to(tl.int64)[:, None] * stride_xm
+    w_base = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn
+    w_row0 = expert * N + slice_id * n_slice + n0
+    return pairs, valid, x_rows, n_local, n_ok, offs_n, offs_k, x_base, w_base, w_row0
+
+
+@triton.jit
+def x_tile(x_base, ks, valid, K, stride_xk, EVEN_K: tl.constexpr):
+    """The [BM, BK] tile of x at columns ``ks``: zeros in rows past the block's pairs and columns past K."""
+    if EVEN_K:
+        xk = tl.load(x_base + ks[None, :] * stride_xk, mask=valid[:, None], other=0.0)
+    else:
+        xk = tl.load(x_base + ks[None, :] * stride_xk, mask=valid[:, None] & (ks < K)[None, :], other=0.0)
+    return xk
+
+
+@triton.jit
+def w_tile(w_base, w_desc, w_row0, k0, ks, n_ok, K, stride_wk, EVEN_K: tl.constexpr, W_TMA: tl.constexpr):
+    """The [BK, BN] tile of W^T at columns ``ks`` (from ``k0``): by TMA, or by pointer with zeros past the
+    slice's columns and past K."""
+    if W_TMA:
+        wk = w_desc.load([w_row0, k0]).T
+    elif EVEN_K:
+        wk = tl.load(w_base + ks[:, None] * stride_wk, mask=n_ok[None, :], other=0.0)
+    else:
+        wk = tl.load(w_base + ks[:, None] * stride_wk, mask=n_ok[None, :] & (ks < K)[:, None], other=0.0)
+    return wk
+
+
+@triton.jit
+def store_tile(acc, pairs, valid, offs_n, n_ok, out_ptr, topk_weights_ptr, stride_om, stride_on,
+               MUL_ROUTED_WEIGHT: tl.constexpr):
+    """out[pairs, offs_n] = acc [BM, BN] (times each pair's routing weight with MUL_ROUTED_WEIGHT), in out's
+    dtype; rows past the block's pairs and columns past the slice are not stored."""
     if MUL_ROUTED_WEIGHT:
         acc = acc * tl.load(topk_weights_ptr + pairs, mask=valid, other=0.0)[:, None]
     out = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on

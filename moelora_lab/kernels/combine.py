@@ -13,10 +13,15 @@ import triton.language as tl
 
 @triton.jit
 def gather_sum_kernel(
-    rows_ptr,          # [P, H] returned rows, in send order
+    # ---- pointers
+    rows_ptr,          # [P, H] returned rows, in send order; fp32/fp16/bf16
     pos_ptr,           # [P] int64: pos[t*k + j] = the row of pair (t, j)
-    y_ptr,             # [M, H] output
-    top_k, H, stride_r, stride_y,
+    y_ptr,             # [M, H] output, rows' dtype
+    # ---- sizes
+    top_k, H,
+    # ---- strides (the columns of both are contiguous)
+    stride_r, stride_y,
+    # ---- meta-parameters
     BLOCK: tl.constexpr,
 ):
     """Program (token, column tile): y[t] = sum_j rows[pos[t*k + j]]."""

@@ -1,6 +1,10 @@
 """Small device helpers shared by the kernels.
 
 Shape legend: M tokens, k top-k, L adapters, E experts, r rank, K in, N out, S slices, BM pairs per block.
+
+These are device functions, called from inside the kernels and never launched: each takes a few
+values, its ``tl.constexpr`` meta-parameters last (the kernels group theirs under comment headers:
+pointers, sizes, strides, meta-parameters).
 """
 import triton
 import triton.language as tl

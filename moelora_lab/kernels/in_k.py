@@ -51,14 +51,19 @@ def _fill(tail_ptr, token_lora_ptr, lora_ranks_ptr, f, num_pairs, top_k, R, LR, 
 
 @triton.jit
 def shrink_tail_kernel(
-    h_ptr,             # [P, >= K] (w2: h, the first I columns of h_ext) or [M, K] (TOKEN_ROWS: w13's x)
-    a0_ptr, a1_ptr,    # LoRA A of slices 0 and 1: [L, E, r, K] (K = I for w2, H for w13); slice 0 twice if S == 1
+    # ---- pointers
+    h_ptr,             # [P, >= K] (w2: h, the first I columns of h_ext) or [M, K] (TOKEN_ROWS: w13's x); fp32/fp16/bf16
+    a0_ptr, a1_ptr,    # LoRA A of slices 0 and 1: [L, E, r, K], h's dtype (K = I for w2, H for w13);
+                       # slice 0 twice if S == 1
     tail_ptr,          # [S, P, L*r] (row stride stride_tm, slice stride stride_ts), h's dtype; every element written
-    sorted_pairs_ptr, block_lora_ptr, block_expert_ptr,   # BlockList by (adapter, expert): [B*BM], [B], [B]
+    sorted_pairs_ptr, block_lora_ptr, block_expert_ptr,   # BlockList by (adapter, expert): [B*BM], [B], [B] int32
     token_lora_ptr,    # [M] int32/int64 adapter of each token, -1 = none
     lora_ranks_ptr,    # [L] int32 actual rank of each slot (read if HAS_RANKS)
+    # ---- sizes
     num_pairs, num_blocks, top_k, K, R, LR, rank_tiles,
+    # ---- strides (the columns of h and of the tail are contiguous)
     stride_hm, stride_al, stride_ae, stride_ar, stride_ak, stride_tm, stride_ts,
+    # ---- meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_LR: tl.constexpr,
     FILL_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_RANKS: tl.constexpr, TOKEN_ROWS: tl.constexpr = False,
     BOTH_SLICES: tl.constexpr = False,   # S == 2: one program writes both slices' tile from one read of its rows

@@ -17,15 +17,19 @@ from .common import block_rows, rank_tile, slice_pointers, slot_rank
 
 @triton.jit
 def shrink_kernel(
-    x_ptr,             # [M, K] (TOKEN_ROWS) or [M*k, K]
-    a0_ptr, a1_ptr,    # LoRA A of slices 0 and 1: [L, E, r, K]
+    # ---- pointers
+    x_ptr,             # [M, K] (TOKEN_ROWS) or [M*k, K]; fp32/fp16/bf16
+    a0_ptr, a1_ptr,    # LoRA A of slices 0 and 1: [L, E, r, K], x's dtype
     t_ptr,             # [S, M*k, r] intermediate, x's dtype (uninitialised; written here)
     sorted_pairs_ptr, block_lora_ptr, block_expert_ptr,   # BlockList: [B*BM], [B], [B] int32
     lora_ranks_ptr,    # [L] int32 actual rank of each slot (read if HAS_RANKS)
+    # ---- sizes
     num_pairs, top_k, K, R,
+    # ---- strides
     stride_xm, stride_xk,
     stride_al, stride_ae, stride_ar, stride_ak,
     stride_ts, stride_tm, stride_tr,
+    # ---- meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     TOKEN_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_RANKS: tl.constexpr,
     BOTH_SLICES: tl.constexpr = False,   # one program shrinks slices 0 and 1 from one read of its x rows
@@ -71,16 +75,21 @@ def shrink_kernel(
 
 @triton.jit
 def expand_kernel(
-    t_ptr,             # [S, M*k, r] intermediate written by shrink_kernel
-    b0_ptr, b1_ptr,    # LoRA B of slices 0 and 1: [L, E, N, r]
-    out_ptr,           # [M*k, S*N] rows of the [M, k, S*N] output
-    topk_weights_ptr,  # [M*k] fp32
-    sorted_pairs_ptr, block_lora_ptr, block_expert_ptr,
-    lora_ranks_ptr,    # [L] int32 (read if HAS_RANKS)
-    num_pairs, N, R, slice_offset,
+    # ---- pointers
+    t_ptr,             # [S, M*k, r] intermediate written by shrink_kernel, x's dtype
+    b0_ptr, b1_ptr,    # LoRA B of slices 0 and 1: [L, E, N, r], x's dtype
+    out_ptr,           # [M*k, S*N] rows of the [M, k, S*N] output, x's dtype
+    topk_weights_ptr,  # [M*k] fp32 routing weight of each pair (read if MUL_ROUTED_WEIGHT)
+    sorted_pairs_ptr, block_lora_ptr, block_expert_ptr,   # BlockList: [B*BM], [B], [B] int32
+    lora_ranks_ptr,    # [L] int32 actual rank of each slot (read if HAS_RANKS)
+    # ---- sizes
+    num_pairs, N, R,
+    slice_offset,      # output column of this launch's slice 0
+    # ---- strides
     stride_ts, stride_tm, stride_tr,
     stride_bl, stride_be, stride_bn, stride_br,
     stride_om, stride_on,
+    # ---- meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr, ADD_INPUTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HAS_RANKS: tl.constexpr,

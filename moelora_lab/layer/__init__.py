@@ -9,6 +9,7 @@ product schedules' runners.
     in_k_launch.py the launchers of its tail shrink
     streams.py     the two-stream executor
 """
+from . import two_kernel  # noqa: F401  (moelora_lab.layer.two_kernel.run, as the notebooks show it)
 from .face import moe_lora_layer
 from .in_k import in_k_layer
 from .in_k_pack import InKWeights, pack_in_k, pack_w13_in_k, pack_w2_in_k

@@ -7,23 +7,28 @@ Every path computes the same delta (see :func:`moelora_lab.moe_lora`); they diff
 traffic and launches. The dispatcher, the op, the layer, the benchmarks' command-line choices and
 the README's table all read :data:`PATHS`, so adding a path means one kernel module plus one entry
 here. Launchers take inputs that were already validated and never synchronise with the device.
+
+Status: ``product`` rows are what ``auto`` may run; ``experiment`` rows were measured and lost (their
+code lives in ``moelora_lab.experiments``, which no product module imports: the row names its launcher
+by import path, "module:function", imported on first use). Both run when asked for by name.
 """
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass, replace
+import importlib
+from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import torch
 import triton
 
 from ..blocks import BlockList
-from .dispatch import KernelConfig, choose_config, choose_path, choose_side_path, num_sms, one_shot_build_rule
+from .dispatch import KernelConfig, choose_config, choose_path, choose_side_path, one_shot_build_rule
 from ..kernels.one_shot import one_shot_kernel
-from ..kernels.small_batch import small_batch_kernel
 from ..kernels.two_kernel import expand_kernel, shrink_kernel
 from ..reference import moe_lora_reference
-from ..validate import check_bool, check_int
+from ..validate import check_bool
+
+STATUSES = ("product", "experiment")
 
 
 class LoRACall(NamedTuple):
@@ -74,7 +79,7 @@ class LoRAPath:
     """A way to compute the op, and what it supports."""
 
     name: str
-    launch: Callable[[LoRACall, KernelConfig | None], None]
+    launcher: str | Callable     # (call, cfg) -> None: "module:function" (imported on first use) or the function
     summary: str                 # one line for the docs and the command-line help
     kernels: str                 # where its code lives
     triton: bool                 # Triton kernels: a CUDA GPU, or the interpreter on the CPU
@@ -82,6 +87,22 @@ class LoRAPath:
     max_rank: int | None = None  # widest rank it runs; None: any
     add_inputs: bool = True      # accumulates into the output (False: overwrite only, always supported)
     token_rows: bool = True      # reads [M, K] token rows (pair rows [P, K] always supported)
+    status: str = "product"      # one of STATUSES: only product rows may be picked by ``auto``
+
+    def __post_init__(self):
+        if self.status not in STATUSES:
+            raise ValueError(f"LoRAPath {self.name!r}: status {self.status!r} is not one of {', '.join(STATUSES)}")
+        if not callable(self.launcher) and (not isinstance(self.launcher, str) or self.launcher.count(":") != 1):
+            raise ValueError(f"LoRAPath {self.name!r}: launcher must be a function or 'module:function', "
+                             f"got {self.launcher!r}")
+
+    @property
+    def launch(self) -> Callable[[LoRACall, KernelConfig | None], None]:
+        """The launcher, imported on first use."""
+        if callable(self.launcher):
+            return self.launcher
+        module, function = self.launcher.split(":")
+        return getattr(importlib.import_module(module), function)
 
     def unsupported(self, rank: int, add_inputs: bool, token_rows: bool) -> str | None:
         """Why this path cannot run the call (None when it can)."""
@@ -131,71 +152,28 @@ def launch_reference(call: LoRACall, cfg: KernelConfig | None = None) -> None:
     out.copy_(torch.where(owned, new.to(out.dtype), out))
 
 
-@dataclass(frozen=True)
-class OneShotBuild:
-    """How the one-shot kernel is built (the same for every tile; ``one_shot_build`` changes it for a
-    measurement): ``both_slices`` gives w13's two slices to one program, which reads its x rows once;
-    ``prefetch_out`` loads each expand step's output tile one step ahead; ``expand_stages`` is the
-    expand loop's pipeline depth (0: the tile's num_stages); ``clamp_ranks`` builds the rank offsets
-    as this code once did (scattered to the compiler, see ``kernels.common.rank_tile``). None takes
-    ``dispatch.one_shot_build_rule``'s choice for the tile's rank tile."""
-
-    both_slices: bool = False
-    prefetch_out: bool | None = None
-    expand_stages: int | None = None
-    clamp_ranks: bool = False
-
-    def __post_init__(self):
-        for name, none_ok in (("both_slices", False), ("prefetch_out", True), ("clamp_ranks", False)):
-            value = getattr(self, name)
-            if not (isinstance(value, bool) or (none_ok and value is None)):
-                raise TypeError(f"one_shot_build: {name} must be True or False{' or None (the rule)' if none_ok else ''}, "
-                                f"got {value!r}")
-        if self.expand_stages is not None:
-            check_int("one_shot_build: expand_stages", self.expand_stages, low=0)
-
-
-ONE_SHOT_BUILD = OneShotBuild()
-
-
-@contextlib.contextmanager
-def one_shot_build(**changes):
-    """Inside the block, launch the one-shot kernel built another way (fields of :class:`OneShotBuild`),
-    to measure what each choice buys (``python -m moelora_lab.bench expand``)."""
-    global ONE_SHOT_BUILD
-    saved = ONE_SHOT_BUILD
-    try:
-        ONE_SHOT_BUILD = replace(saved, **changes)
-    except TypeError as e:
-        raise TypeError(f"one_shot_build: {e}; the fields are {', '.join(OneShotBuild.__dataclass_fields__)}") from None
-    try:
-        yield ONE_SHOT_BUILD
-    finally:
-        ONE_SHOT_BUILD = saved
-
-
 def launch_one_shot(call: LoRACall, cfg: KernelConfig | None = None):
-    """Returns the compiled kernel on a GPU (registers, spills), for ``profile.report``."""
+    """Returns the compiled kernel on a GPU (registers, spills), for ``profile.report``. The kernel's
+    output prefetch and expand pipeline are the measured rule's (``dispatch.one_shot_build_rule``); the
+    other ways it was built are timed by ``python -m moelora_lab.bench expand``."""
     x, blocks, out2d, weights = call.x, call.blocks, call.out2d, call.weights()
     M, k, L, E, R, K, N, S = call.dims
+    if out2d.shape[1] > 1 and out2d.stride(1) != 1:      # the kernel takes the columns as contiguous
+        raise ValueError(f"output: the one-shot path needs contiguous columns (column stride {out2d.stride(1)})")
     cfg = _block_config(call, cfg, "one_shot")
     block_r, rank_tiles = cfg.rank_tiling(R)
     n_chunks = min(cfg.n_chunks, triton.cdiv(N, cfg.block_n))    # never more chunks than N tiles
-    build, compiled = ONE_SHOT_BUILD, None
     prefetch, stages = one_shot_build_rule(block_r)
-    prefetch = prefetch if build.prefetch_out is None else build.prefetch_out
-    stages = stages if build.expand_stages is None else (build.expand_stages or None)
+    compiled = None
     for s0, ns in _slice_pairs(S):
-        both = build.both_slices and ns == 2
-        compiled = one_shot_kernel[(blocks.num_blocks, (1 if both else ns) * n_chunks)](
+        compiled = one_shot_kernel[(blocks.num_blocks, ns * n_chunks)](
             x, *_slices(call.lora_a, s0), *_slices(call.lora_b, s0), out2d, weights, *blocks.tensors,
-            call.ranks_or(blocks.block_lora), M * k, k, K, N, R, s0 * N,
-            x.stride(0), x.stride(1), *call.lora_a[0].stride(), *call.lora_b[0].stride(), *out2d.stride(),
+            call.ranks_or(blocks.block_lora), M * k, k if call.token_rows else 1, K, N, R, s0 * N,
+            x.stride(0), x.stride(1), *call.lora_a[0].stride(), *call.lora_b[0].stride(), out2d.stride(0),
             N_CHUNKS=n_chunks, BLOCK_M=blocks.block_size, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            BLOCK_R=block_r, RANK_TILES=rank_tiles, TOKEN_ROWS=call.token_rows, MUL_ROUTED_WEIGHT=call.mul_routed_weight,
-            ADD_INPUTS=call.add_inputs, DOT_PRECISION=_precision(x), HAS_RANKS=call.lora_ranks is not None,
-            BOTH_SLICES=both, PREFETCH_OUT=prefetch, EXPAND_STAGES=stages,
-            CLAMP_RANKS=build.clamp_ranks, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            BLOCK_R=block_r, RANK_TILES=rank_tiles, MUL_ROUTED_WEIGHT=call.mul_routed_weight,
+            ADD_INPUTS=call.add_inputs, HAS_RANKS=call.lora_ranks is not None, PREFETCH_OUT=prefetch,
+            EXPAND_STAGES=stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return compiled
 
 
@@ -249,28 +227,6 @@ def launch_expand(inter, lora_b, out2d, weights, blocks: BlockList, cfg: KernelC
             HAS_RANKS=lora_ranks is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def launch_small_batch(call: LoRACall, cfg: KernelConfig | None = None) -> None:
-    x, out2d, weights = call.x, call.out2d, call.weights()
-    M, k, L, E, R, K, N, S = call.dims
-    cfg = cfg or choose_config("small_batch", M * k, M * k, N, S, x.device, rank=R)
-    block_r, rank_tiles = cfg.rank_tiling(R)
-    block_k = max(16, min(cfg.block_k, 8192 // block_r))       # keep the [BR, BK] partial sum small
-    n_chunks = min(cfg.n_chunks, triton.cdiv(N, cfg.block_n))
-    ids = call.topk_ids.reshape(-1).to(torch.int32).contiguous()
-    token_lora = call.token_lora.to(torch.int32).contiguous()
-    for s0, ns in _slice_pairs(S):
-        work = M * k * ns * n_chunks
-        programs = min(work, cfg.programs or 2 * num_sms(x.device))
-        small_batch_kernel[(programs,)](
-            x, *_slices(call.lora_a, s0), *_slices(call.lora_b, s0), out2d, weights, ids, token_lora,
-            call.ranks_or(token_lora), M * k, k, K, N, R, s0 * N, work,
-            x.stride(0), x.stride(1), *call.lora_a[0].stride(), *call.lora_b[0].stride(), *out2d.stride(),
-            NUM_SLICES=ns, N_CHUNKS=n_chunks, BLOCK_N=cfg.block_n, BLOCK_K=block_k, BLOCK_R=block_r,
-            RANK_TILES=rank_tiles, TOKEN_ROWS=call.token_rows, MUL_ROUTED_WEIGHT=call.mul_routed_weight,
-            ADD_INPUTS=call.add_inputs, HAS_RANKS=call.lora_ranks is not None, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages)
-
-
 PATHS: dict[str, LoRAPath] = {p.name: p for p in (
     LoRAPath("reference", launch_reference, "the spec in PyTorch, fp32 accumulation, one matmul per (adapter, expert)",
              "moelora_lab/reference.py", triton=False, uses_blocks=False),
@@ -278,8 +234,9 @@ PATHS: dict[str, LoRAPath] = {p.name: p for p in (
              "back", "moelora_lab/kernels/two_kernel.py", triton=True, uses_blocks=True),
     LoRAPath("one_shot", launch_one_shot, "shrink into registers and expand from them: T never touches HBM; rank "
              "tiles for any r", "moelora_lab/kernels/one_shot.py", triton=True, uses_blocks=True),
-    LoRAPath("small_batch", launch_small_batch, "a persistent per-pair GEMV for decode-sized work, no block list",
-             "moelora_lab/kernels/small_batch.py", triton=True, uses_blocks=False),
+    LoRAPath("small_batch", "moelora_lab.experiments.small_batch:launch", "a persistent per-pair GEMV for "
+             "decode-sized work, no block list", "moelora_lab/experiments/kernels/small_batch.py", triton=True,
+             uses_blocks=False, status="experiment"),
 )}
 TRITON_PATHS = tuple(name for name, p in PATHS.items() if p.triton)
 PATH_CHOICES = tuple(PATHS) + ("auto",)      # what ``moe_lora(path=...)`` accepts
@@ -295,12 +252,12 @@ def get_path(name: str, argument: str = "path", choices: tuple = PATH_CHOICES) -
 
 def paths_markdown() -> str:
     """The table as Markdown, for the README (a test keeps the two equal)."""
-    rows = ["| path | what it does | ranks | add_inputs | token rows | runs on | code |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| path | status | what it does | ranks | add_inputs | token rows | runs on | code |",
+            "|---|---|---|---|---|---|---|---|"]
     for p in PATHS.values():
         ranks = "any" if p.max_rank is None else f"<= {p.max_rank}"
         where = "CUDA GPU, or the Triton interpreter on the CPU" if p.triton else "any torch device"
-        rows.append(f"| `{p.name}` | {p.summary} | {ranks} | {'yes' if p.add_inputs else 'no'} | "
+        rows.append(f"| `{p.name}` | {p.status} | {p.summary} | {ranks} | {'yes' if p.add_inputs else 'no'} | "
                     f"{'yes' if p.token_rows else 'no'} | {where} | `{p.kernels}` |")
     return "\n".join(rows)
 
@@ -311,15 +268,15 @@ def resolve_path(path: str, *, num_pairs: int, num_experts: int, num_loras: int,
     """The path a call runs: ``auto`` follows the measured rule (``dispatch.choose_path``, or
     ``dispatch.choose_side_path`` for the LoRA on the two-stream layer's side stream (``side_stream``), at
     ``choice_rank``: the slots' real rank when known, else ``rank``; ``n_out``: the output columns per
-    slice, N) among the paths that support the call at the weights' ``rank``; an explicit path must
-    support it (a ValueError says why not)."""
+    slice, N) among the product paths that support the call at the weights' ``rank`` (never an
+    experiment row); an explicit path must support it (a ValueError says why not)."""
     get_path(path)
     if path == "auto":
         rule = choose_side_path if side_stream else choose_path
         preferred = rule(num_pairs, num_experts, num_loras, rank if choice_rank is None else choice_rank, n_out)
         order = [preferred] + [n for n in TRITON_PATHS if n != preferred]
         for name in order:
-            if PATHS[name].unsupported(rank, add_inputs, token_rows) is None:
+            if PATHS[name].status == "product" and PATHS[name].unsupported(rank, add_inputs, token_rows) is None:
                 return name
         return "reference"
     why = PATHS[path].unsupported(rank, add_inputs, token_rows)

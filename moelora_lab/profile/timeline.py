@@ -213,7 +213,7 @@ def stage_model(meta: dict, *, sms: int = H200_SMS) -> dict[str, dict]:
     row = SCHEDULES.get(schedule)
     work = bench_workload(shape, M, L, meta.get("seed", 0))
     P, E, H, I = M * shape.top_k, shape.num_experts, shape.hidden, shape.intermediate
-    kernels = {"base_gemm": "moe_gemm_kernel", "fused_gemm": "moe_gemm_kernel (with LoRA)",
+    kernels = {"base_gemm": "moe_gemm_kernel", "fused_gemm": "moe_gemm_lora_kernel",
                "shrink_w13": "shrink_kernel", "shrink_w2": "shrink_kernel",
                "lora": LORA_KERNELS.get(path, path), "act": "silu_and_mul_kernel", "sum": "topk_sum_kernel"}
     if row is not None and row.gemm_lora_tiles:

@@ -18,7 +18,7 @@ this suits small M; the pairs of one (adapter, expert) each read its B and A aga
 import triton
 import triton.language as tl
 
-from .common import adapter_lanes
+from ...kernels.common import adapter_lanes
 
 
 @triton.jit

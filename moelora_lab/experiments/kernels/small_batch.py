@@ -1,4 +1,5 @@
-"""Decode-sized MoE-LoRA: one pair at a time as two GEMVs on CUDA cores, in a persistent grid.
+"""Decode-sized MoE-LoRA: one pair at a time as two GEMVs on CUDA cores, in a persistent grid (the
+``small_batch`` path; it never beat the one-shot kernel, so ``auto`` never picks it).
 
 Shape legend: M tokens, k top-k, L adapters, E experts, r rank, K in, N out, S slices.
 
@@ -12,24 +13,30 @@ as in the one-shot kernel.
 import triton
 import triton.language as tl
 
-from .common import rank_tile, rank_tile_runs, slice_pointers, slot_rank
+from ...kernels.common import rank_tile, rank_tile_runs, slice_pointers, slot_rank
 
 
 @triton.jit
 def small_batch_kernel(
-    x_ptr,             # [M, K] (TOKEN_ROWS) or [M*k, K]
-    a0_ptr, a1_ptr,    # LoRA A of slices 0 and 1: [L, E, r, K]
-    b0_ptr, b1_ptr,    # LoRA B of slices 0 and 1: [L, E, N, r]
-    out_ptr,           # [M*k, S*N] rows of the [M, k, S*N] output
-    topk_weights_ptr,  # [M*k] fp32
+    # ---- pointers
+    x_ptr,             # [M, K] (TOKEN_ROWS) or [M*k, K]; fp32/fp16/bf16
+    a0_ptr, a1_ptr,    # LoRA A of slices 0 and 1: [L, E, r, K], x's dtype
+    b0_ptr, b1_ptr,    # LoRA B of slices 0 and 1: [L, E, N, r], x's dtype
+    out_ptr,           # [M*k, S*N] rows of the [M, k, S*N] output, x's dtype
+    topk_weights_ptr,  # [M*k] fp32 routing weight of each pair (read if MUL_ROUTED_WEIGHT)
     topk_ids_ptr,      # [M*k] int32 expert of each pair
     token_lora_ptr,    # [M] int32 adapter of each token, -1 = none
     lora_ranks_ptr,    # [L] int32 actual rank of each slot (read if HAS_RANKS)
-    num_pairs, top_k, K, N, R, slice_offset, num_work,
+    # ---- sizes
+    num_pairs, top_k, K, N, R,
+    slice_offset,      # output column of this launch's slice 0
+    num_work,          # work items: pairs * slices * N chunks
+    # ---- strides
     stride_xm, stride_xk,
     stride_al, stride_ae, stride_ar, stride_ak,
     stride_bl, stride_be, stride_bn, stride_br,
     stride_om, stride_on,
+    # ---- meta-parameters
     NUM_SLICES: tl.constexpr, N_CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     RANK_TILES: tl.constexpr,
     TOKEN_ROWS: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, ADD_INPUTS: tl.constexpr,

@@ -26,8 +26,8 @@ experiment notebook 05 reads, not used by any schedule.
 import triton
 import triton.language as tl
 
-from .common import block_rows, gemm_tile
-from .in_k import _shrink_tail_program
+from ...kernels.common import block_rows, gemm_tile
+from ...kernels.in_k import _shrink_tail_program
 
 
 @triton.jit
@@ -88,9 +88,14 @@ def gemm_after_shrink_kernel(
     counters_ptr,      # [2] int32, zero before the launch: tickets handed out, shrink programs done
     num_shrink,        # shrink programs: (lora blocks + fill programs) * shrink_columns
     shrink_columns,    # the shrink grid's second dimension (slices * rank tiles, or rank tiles)
-    # the shrink (``in_k.shrink_tail_kernel``'s arguments)
-    h_ptr, a0_ptr, a1_ptr, tail_ptr, s_sorted_pairs_ptr, s_block_lora_ptr, s_block_expert_ptr, token_lora_ptr,
-    lora_ranks_ptr, s_num_pairs, s_num_blocks, s_top_k, K, R, LR, rank_tiles, stride_hm, stride_al, stride_ae,
+    # the shrink (``kernels/in_k.shrink_tail_kernel``'s arguments, s_ where the GEMM has its own)
+    h_ptr,             # [P, >= K] (w2: h_ext) or [M, K] (S_TOKEN_ROWS: w13's x), x's dtype
+    a0_ptr, a1_ptr,    # LoRA A of slices 0 and 1: [L, E, r, K], x's dtype; slice 0 twice if S == 1
+    tail_ptr,          # [S, P, L*r] the tail T, x's dtype; every element written
+    s_sorted_pairs_ptr, s_block_lora_ptr, s_block_expert_ptr,   # by (adapter, expert): [B*BM], [B], [B] int32
+    token_lora_ptr,    # [M] int32 adapter of each token, -1 = none
+    lora_ranks_ptr,    # [L] int32 actual rank of each slot (read if HAS_RANKS)
+    s_num_pairs, s_num_blocks, s_top_k, K, R, LR, rank_tiles, stride_hm, stride_al, stride_ae,
     stride_ar, stride_ak, stride_tm, stride_ts,
     # the GEMM (``moe_gemm_kernel``'s, X_TAIL only):
     #   out[p] = (w *) (x_row(p) @ W[e, :, :x_cols]^T + T[s, p] @ W[e, :, tail_at:]^T)
@@ -98,7 +103,7 @@ def gemm_after_shrink_kernel(
     w_ptr, w_desc,     # [E, N, tail_at + tail_cols] widened weight (unit column stride); its TMA descriptor
     out_ptr,           # [P, N], x's dtype
     topk_weights_ptr,  # [P] fp32 (read if MUL_ROUTED_WEIGHT)
-    sorted_pairs_ptr, block_expert_ptr,                    # BlockList by expert: [B*BM], [B]
+    sorted_pairs_ptr, block_expert_ptr,                    # BlockList by expert: [B*BM], [B] int32
     num_pairs, top_k, N, num_blocks, n_slice, x_cols, tail_at, tail_cols,
     tail_off,          # T [S, P, tail_cols] (= tail_ptr) as an element offset from x_ptr
     stride_xm, stride_we, stride_wn, stride_om, stride_gts, stride_gtp,
