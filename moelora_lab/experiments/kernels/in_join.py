@@ -107,15 +107,16 @@ def sum_lora_kernel(
     c3 = tl.load(c3_ptr + pairs[:, None] * stride_c + cols[None, :], mask=j_ok[:, None] & ok[None, :], other=0.0)
     offs_r = tl.arange(0, BLOCK_R)
     offs_t = tl.arange(0, BLOCK_T)
+    lora, r_ok = adapter_lanes(lora_ranks_ptr, lora, offs_r, R, HAS_RANKS)
     t = tl.zeros((BLOCK_J, BLOCK_R), dtype=tl.float32)
     for t0 in range(0, NT, BLOCK_T):            # one step unless the act ran more than BLOCK_T column tiles
         tt = t0 + offs_t
+        # only what the act wrote: a token with an adapter, ranks below its slot's (the rest is uninitialised)
         parts = tl.load(t2_ptr + pairs[:, None, None] * stride_2p + tt[None, :, None] * stride_2t
                         + offs_r[None, None, :],
-                        mask=j_ok[:, None, None] & (tt < NT)[None, :, None] & (offs_r < R)[None, None, :], other=0.0)
+                        mask=j_ok[:, None, None] & (tt < NT)[None, :, None] & r_ok[None, None, :], other=0.0)
         t += tl.sum(parts, axis=1)                                                   # [BLOCK_J, BLOCK_R]
     acc = tl.sum(c3.to(tl.float32), axis=0)
-    lora, r_ok = adapter_lanes(lora_ranks_ptr, lora, offs_r, R, HAS_RANKS)
     t = tl.where(j_ok[:, None] & r_ok[None, :], t * w[:, None], 0.0)         # rows the act never wrote drop out
     b = tl.load(b2_ptr + lora.to(tl.int64) * stride_bl + experts[:, None, None] * stride_be
                 + cols[None, :, None] * stride_bn + offs_r[None, None, :] * stride_br,
