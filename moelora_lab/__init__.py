@@ -10,7 +10,7 @@ from .reference import moe_layer_reference, moe_layer_reference_loop, moe_lora_r
 from .blocks import BlockList, LayerPlan
 from .routing import (Alignment, align_block_size, block_list, block_list_device, naive_block_list, route,
                       use_naive_assignment)
-from .op import CONFIGS, PATHS, KernelConfig, moe_lora, pack_lora_b
+from .op import PATHS, KernelConfig, moe_lora, pack_lora_b
 from .layer import SCHEDULES, moe_lora_layer, pack_in_k, plan_layer
 
 __all__ = [
@@ -18,7 +18,18 @@ __all__ = [
     "PRESETS", "LoRAShape", "MoEShape", "Problem", "make_problem",
     "moe_layer_reference", "moe_layer_reference_loop", "moe_lora_reference", "moe_lora_reference_loop",
     "Alignment", "BlockList", "align_block_size", "block_list", "block_list_device", "naive_block_list", "route",
-    "use_naive_assignment", "CONFIGS", "KernelConfig", "PATHS", "moe_lora", "pack_lora_b", "LayerPlan", "SCHEDULES",
+    "use_naive_assignment", "KernelConfig", "PATHS", "moe_lora", "pack_lora_b", "LayerPlan", "SCHEDULES",
     "moe_lora_layer", "pack_in_k", "plan_layer",
 ]
 __version__ = "0.1.0"
+
+# subpackages imported on first use (``ml.adapters.load_peft``, ``ml.dist.ep_layer``), so that importing the
+# package stays light: the adapters read safetensors files, dist pulls in torch.distributed
+_LAZY = ("adapters", "dist")
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

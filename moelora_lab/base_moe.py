@@ -12,10 +12,6 @@ from ._backend import INTERPRET, on_device
 from .kernels.base_moe import moe_gemm_kernel, silu_and_mul_kernel, topk_sum_kernel
 from .blocks import BlockList
 
-# The rules this module applies, also readable and settable under their old names here (``moe.X``).
-rules.expose(__name__, ("MAX_FUSED_COLUMNS", "HALF_TAIL_MIN_BLOCK", "SUM_TILE_ELEMENTS", "SUM_TILE_MAX_PAIRS",
-                        "TAIL_ALIGN"))
-
 
 def gemm_tiles(num_pairs: int, num_experts: int, *, lora: bool = False) -> dict:
     """Tiles of the grouped GEMM: BLOCK_M from the pairs each expert gets on average."""

@@ -251,6 +251,16 @@ def make_problem(
         B [L, E, H, r] (scaling folded into B); w13, w2 with ``with_base``. ``p.w13_lora_inputs()``
         and ``p.layer_inputs()`` are the keyword arguments of :func:`moelora_lab.moe_lora` and
         :func:`moelora_lab.moe_lora_layer`.
+
+    Examples
+    --------
+    >>> import torch
+    >>> import moelora_lab as ml
+    >>> p = ml.make_problem("tiny", ml.LoRAShape(num_loras=2, rank=4), num_tokens=8, seed=0)
+    >>> tuple(p.x.shape), tuple(p.topk_ids.shape), tuple(p.w13_lora_a[0].shape), tuple(p.w13_lora_b[0].shape)
+    ((8, 64), (8, 2), (2, 8, 4, 64), (2, 8, 32, 4))
+    >>> torch.equal(p.x, ml.make_problem("tiny", ml.LoRAShape(2, 4), num_tokens=8, seed=0).x)   # same seed
+    True
     """
     if isinstance(shape, str):
         shape = MoEShape.from_name(shape)

@@ -43,15 +43,16 @@ class StaleDataError(RuntimeError):
 
 def _rule_table() -> list:
     """What every tile and dispatch rule returns over a fixed grid of shapes (the input of the hash)."""
-    from .op.dispatch import CONFIGS, choose_path, choose_side_path, gpu_config
+    from . import rules
+    from .op.dispatch import choose_path, choose_side_path, gpu_config
     from .layer.plan import gpu_schedule
-    from .base_moe import MAX_FUSED_COLUMNS, gpu_gemm_tiles
+    from .base_moe import gpu_gemm_tiles
     from .layer.streams import SIDE_PRIORITIES
 
     pairs = [1, 2, 8, 12, 16, 17, 24, 32, 64, 128, 192, 256, 512, 1024, 4096, 8192, 65536]
     ranks = [None, 8, 16, 32, 64, 128, 192, 256, 512]
-    table: list = [sorted((name, repr(cfg)) for name, cfg in CONFIGS.items()),
-                   MAX_FUSED_COLUMNS, SIDE_PRIORITIES[0]]
+    table: list = [sorted((name, repr(cfg)) for name, cfg in rules.CONFIGS.items()),
+                   rules.MAX_FUSED_COLUMNS, SIDE_PRIORITIES[0]]
     table.append([gpu_schedule(p, e, in_k_columns=c) for p in pairs for e in (8, 64, 128) for c in (None, 32, 64, 256)])
     for p in pairs:
         for groups in (1, 8, 64, 512):

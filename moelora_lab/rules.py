@@ -5,17 +5,14 @@ that holds the measurement (under ``moelora_lab/data/h200/`` or ``moelora_lab/da
 each rule came to be, run by run, is told in ``moelora_lab/data/h200/README.md`` ("How the rules came
 to be"). The functions that apply the rules stay with the code they steer (``dispatch.choose_path``,
 ``dispatch.gpu_config``, ``moe.gpu_gemm_tiles``, ``align``'s construction, ...) and read ``rules.X`` at
-call time, so a changed rule takes effect at once. Each of those modules still answers to its old
-names: ``dispatch.CONFIGS`` reads, and ``dispatch.CONFIGS = ...`` sets, ``rules.CONFIGS``
-(:func:`expose`).
+call time, so a changed rule takes effect at once. No other module keeps a copy: code that reads or
+sets a rule (a probe, a test's monkeypatch, ``align.construction``) names it ``rules.X``.
 
 A change of a rule that ``results.config_fingerprint`` covers makes every committed data file stale.
 
 Shape legend: M tokens, E experts, k top-k, L adapters, r rank, K in, N out, P = M*k pairs.
 """
 from __future__ import annotations
-
-import sys
 
 from .tiles import KernelConfig
 
@@ -146,19 +143,3 @@ TABLE_BLOCKS = 64
 
 # Pairs per zero-filling program of the tail shrink (not varied alone; timed with it): data/h200/layer_in_k.csv
 FILL_ROWS = 32
-
-
-def expose(module_name: str, names) -> None:
-    """Make ``names`` attributes of module ``module_name`` that read and write the rules here: code that
-    reads ``<module>.NAME`` gets ``rules.NAME``, and code that sets it (a probe, a test's monkeypatch,
-    ``align.construction``) changes the rule every function reads."""
-    module, here = sys.modules[module_name], sys.modules[__name__]
-    unknown = sorted(set(names) - set(vars(here)))
-    if unknown:
-        raise AttributeError(f"names: not rules: {', '.join(unknown)}")
-
-    def rule(name):
-        return property(lambda _: getattr(here, name), lambda _, value: setattr(here, name, value),
-                        doc=f"rules.{name}")
-
-    module.__class__ = type(type(module).__name__, (type(module),), {name: rule(name) for name in names})

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import results
-from .routing.device import RECOUNT_MAX_PAIRS, SORT_MAX_PAIRS
+from . import results, rules
 from .layer.table import AUTO, AUTO_CPU, AUTO_GPU, AUTO_LARGE, SCHEDULES
 
 # ---------------------------------------------------------------------------------------------
@@ -59,7 +58,7 @@ def _honours(row) -> str:
 
 
 def _limits(row) -> str:
-    limits = [f"L*r <= {row.max_columns} (padded to a power of two, at least 16)"] if row.max_columns else []
+    limits = [f"L*r <= {row.column_limit} (padded to a power of two, at least 16)"] if row.column_limit else []
     limits += ["the weights packed by `pack_in_k` (`in_k=`)"] if row.needs_pack else []
     return "; ".join(limits) or "none"
 
@@ -115,8 +114,8 @@ def _op_section(kernels, vllm, align) -> list[str]:
     device = [v for (m, p, _), v in by.items() if m == "triton_kernels"]
     out += [f"The routing metadata of one block list costs {_span(torch_ops, '{:.0f}', ' µs')} built from PyTorch ops",
             f"(`block_list`) and {_span(device, '{:.0f}', ' µs')} from Triton kernels (`block_list_device`, used on",
-            f"GPUs: one launch up to {RECOUNT_MAX_PAIRS} pairs (one sorting program per list up to {SORT_MAX_PAIRS}, "
-            "recounting programs beyond), three chained launches beyond; `align.csv`, M = "
+            f"GPUs: one launch up to {rules.RECOUNT_MAX_PAIRS} pairs (one sorting program per list up to "
+            f"{rules.SORT_MAX_PAIRS}, recounting programs beyond), three chained launches beyond; `align.csv`, M = "
             + ", ".join(str(m) for m in sorted({k[2] for k in by})) + ")."]
     return out
 

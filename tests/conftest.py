@@ -73,9 +73,31 @@ def pytest_addoption(parser):
     )
 
 
+class _NotebookOnOneWorker:
+    """Under pytest-xdist (``-n N``): a notebook's cells share one kernel and run in
+    order, so each notebook goes to one worker as one unit; every other test is a
+    unit of its own, as under xdist's plain ``load``.
+    """
+
+    @staticmethod
+    def pytest_xdist_make_scheduler(config, log):
+        if config.getvalue("dist") not in ("load", "loadgroup"):
+            return None                        # an explicit other --dist is the caller's choice
+        from xdist.scheduler import LoadScopeScheduling
+
+        class NotebookScopes(LoadScopeScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                path = nodeid.split("::", 1)[0]
+                return path if path.endswith(".ipynb") else nodeid
+
+        return NotebookScopes(config, log)
+
+
 def pytest_configure(config):
     if not config.pluginmanager.has_plugin("moelora-nbval-skip-compare"):
         config.pluginmanager.register(_NbvalSkipCompare(), "moelora-nbval-skip-compare")
+    if config.pluginmanager.has_plugin("xdist") and not config.pluginmanager.has_plugin("moelora-notebook-scopes"):
+        config.pluginmanager.register(_NotebookOnOneWorker(), "moelora-notebook-scopes")
     if config.getoption("--gpu", default=False) and not _cuda_available():
         raise pytest.UsageError(
             "--gpu was given but CUDA is not available "

@@ -377,3 +377,9 @@ def bad_inputs(rank, world, cases: dict) -> dict:
         except Exception:
             out[f"after_{layer}"] = dict(error=traceback.format_exc(limit=4))
     return out
+
+
+def interpreter_state(rank, world) -> tuple:
+    """Whether this process runs the kernels on the interpreter, and why."""
+    import os
+    return moelora_lab.INTERPRET, os.environ.get("MOELORA_INTERPRET")

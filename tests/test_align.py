@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from moelora_lab import rules
 from moelora_lab.routing import device as align
 from moelora_lab.routing.device import block_list_device
 from moelora_lab.routing import block_list
@@ -32,8 +33,8 @@ def test_device_blocks_equal_the_spec(device, seed, block_size):
 @pytest.mark.parametrize("recount_max_pairs", [0, 1 << 20])
 def test_device_blocks_many_chunks_and_edge_cases(device, monkeypatch, recount_max_pairs):
     # 2400 pairs in the three-launch construction (19 chunks) or the recount (75); one hot (adapter, expert)
-    monkeypatch.setattr(align, "SORT_MAX_PAIRS", 0)
-    monkeypatch.setattr(align, "RECOUNT_MAX_PAIRS", recount_max_pairs)
+    monkeypatch.setattr(rules, "SORT_MAX_PAIRS", 0)
+    monkeypatch.setattr(rules, "RECOUNT_MAX_PAIRS", recount_max_pairs)
     g = torch.Generator().manual_seed(11)
     ids = torch.randint(0, 8, (1200, 2), generator=g).to(torch.int32)
     ids[:, 1] = (ids[:, 0] + 1) % 8
@@ -54,17 +55,17 @@ def launches(request, monkeypatch):
     scan + place (with the chunk size of few pairs, or the widest chunks, used for many pairs). Table
     programs of a few blocks, so there are several."""
     if request.param != "one_launch":
-        monkeypatch.setattr(align, "SORT_MAX_PAIRS", 0)
-        monkeypatch.setattr(align, "TABLE_BLOCKS", 8)
+        monkeypatch.setattr(rules, "SORT_MAX_PAIRS", 0)
+        monkeypatch.setattr(rules, "TABLE_BLOCKS", 8)
     if request.param == "recount":
-        monkeypatch.setattr(align, "RECOUNT_MAX_PAIRS", 1 << 30)
-        monkeypatch.setattr(align, "HIST_PAIRS", 64)              # chunk starts inside a step: partial steps
-        monkeypatch.setattr(align, "RECOUNT_SUB", 32)
+        monkeypatch.setattr(rules, "RECOUNT_MAX_PAIRS", 1 << 30)
+        monkeypatch.setattr(rules, "HIST_PAIRS", 64)              # chunk starts inside a step: partial steps
+        monkeypatch.setattr(rules, "RECOUNT_SUB", 32)
     if request.param.startswith("three_launches"):
-        monkeypatch.setattr(align, "RECOUNT_MAX_PAIRS", 0)
-        monkeypatch.setattr(align, "SCAN_TILE", 128)               # the scan then takes several steps
+        monkeypatch.setattr(rules, "RECOUNT_MAX_PAIRS", 0)
+        monkeypatch.setattr(rules, "SCAN_TILE", 128)               # the scan then takes several steps
     if request.param == "three_launches_wide":
-        monkeypatch.setattr(align, "chunk_pairs", lambda n: align.SUB)
+        monkeypatch.setattr(align, "chunk_pairs", lambda n: rules.SUB)
     return request.param
 
 
@@ -72,12 +73,12 @@ def test_launch_rules():
     # chunks grow with the pairs and never past SUB; the sort gets more warps for more pairs
     pairs = (1, 4096, 4097, 8192, 8193, 16384, 16385, 1 << 20)
     sizes = [align.chunk_pairs(n) for n in pairs]
-    assert sizes == sorted(sizes) and sizes[0] < sizes[-1] == align.SUB
+    assert sizes == sorted(sizes) and sizes[0] < sizes[-1] == rules.SUB
     warps = [align.count_warps(n) for n in pairs]              # fewer warps for wider chunks
     assert warps == sorted(warps, reverse=True) and warps[-1] >= 1
-    assert align.sort_warps(8) <= align.sort_warps(align.SORT_MAX_PAIRS)
-    assert align.SORT_MAX_PAIRS < align.RECOUNT_MAX_PAIRS       # sort, then recount, then three launches
-    assert align.RECOUNT_MAX_PAIRS % align.RECOUNT_SUB == 0 and align.HIST_PAIRS & (align.HIST_PAIRS - 1) == 0
+    assert align.sort_warps(8) <= align.sort_warps(rules.SORT_MAX_PAIRS)
+    assert rules.SORT_MAX_PAIRS < rules.RECOUNT_MAX_PAIRS       # sort, then recount, then three launches
+    assert rules.RECOUNT_MAX_PAIRS % rules.RECOUNT_SUB == 0 and rules.HIST_PAIRS & (rules.HIST_PAIRS - 1) == 0
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -131,9 +132,9 @@ def test_launches_replayed_from_a_cuda_graph_follow_new_routing(device, monkeypa
     # it), and the recount in one launch
     if device != "cuda":
         pytest.skip("CUDA graphs need a GPU")
-    monkeypatch.setattr(align, "SORT_MAX_PAIRS", 0)
-    monkeypatch.setattr(align, "RECOUNT_MAX_PAIRS", 1 << 20 if how == "recount" else 0)
-    monkeypatch.setattr(align, "PDL", how == "chained")
+    monkeypatch.setattr(rules, "SORT_MAX_PAIRS", 0)
+    monkeypatch.setattr(rules, "RECOUNT_MAX_PAIRS", 1 << 20 if how == "recount" else 0)
+    monkeypatch.setattr(rules, "PDL", how == "chained")
     g = torch.Generator().manual_seed(21)
     M, E, k, L = 1500, 64, 6, 4
     routings = [(torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(M)]).to(torch.int32),
@@ -160,7 +161,7 @@ def test_launches_chain_only_where_the_gpu_can(device, monkeypatch):
     dev = torch.device(device)
     if dev.type == "cpu":
         assert not align.chained_launches(dev)                       # no CUDA stream to chain on
-    monkeypatch.setattr(align, "PDL", False)
+    monkeypatch.setattr(rules, "PDL", False)
     assert not align.chained_launches(dev)
 
 
@@ -168,7 +169,7 @@ def test_construction_switches_the_rule_inside_and_restores_it(device):
     ids, lora, E, L = random_routing(3, device)
     want = block_list(ids, lora, E, L, 16).tensors
     def now():
-        return align.SORT_MAX_PAIRS, align.RECOUNT_MAX_PAIRS, align.PDL
+        return rules.SORT_MAX_PAIRS, rules.RECOUNT_MAX_PAIRS, rules.PDL
 
     rule = now()
     for how in (dict(sort_max_pairs=0), dict(sort_max_pairs=1 << 20), dict(sort_max_pairs=0, recount_max_pairs=0),

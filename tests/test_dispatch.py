@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import moelora_lab as ml
+from moelora_lab import rules
 from moelora_lab.op.dispatch import gpu_config
 from moelora_lab.op.face import moe_lora
 from utils import assert_close, lora_case, poisoned
@@ -49,13 +50,12 @@ def test_the_rule_returns_the_tiles_it_is_known_for():
 def test_decode_streams_k_in_long_steps_at_narrow_ranks_only():
     """At most ``DECODE_PAIRS`` pairs and a 16-wide rank tile: ``DECODE_BLOCK_K`` for one-shot and two kernels;
     one pair more, a wider rank tile or the small-batch kernel keep the tiles they had."""
-    from moelora_lab.op.dispatch import DECODE_BLOCK_K, DECODE_PAIRS
-
+    pairs, block_k = rules.DECODE_PAIRS, rules.DECODE_BLOCK_K
     for n_out, slices in OUTPUTS:
         for path in ("one_shot", "two_kernel"):
-            assert gpu_config(path, DECODE_PAIRS, DECODE_PAIRS, n_out, slices, 132, rank=16).block_k == DECODE_BLOCK_K
-            assert gpu_config(path, 1, 1, n_out, slices, 132, rank=8).block_k == DECODE_BLOCK_K
-            assert gpu_config(path, DECODE_PAIRS + 1, DECODE_PAIRS + 1, n_out, slices, 132, rank=16).block_k == 128
+            assert gpu_config(path, pairs, pairs, n_out, slices, 132, rank=16).block_k == block_k
+            assert gpu_config(path, 1, 1, n_out, slices, 132, rank=8).block_k == block_k
+            assert gpu_config(path, pairs + 1, pairs + 1, n_out, slices, 132, rank=16).block_k == 128
             assert gpu_config(path, 8, 8, n_out, slices, 132, rank=32).block_k == 128
         assert gpu_config("small_batch", 8, 8, n_out, slices, 132, rank=16).block_k == 128
 
@@ -100,24 +100,23 @@ def test_the_side_stream_rule_takes_two_kernels_where_the_layer_measured_them_fa
 def test_one_shot_beside_the_base_gemms_keeps_few_programs():
     """On the side stream one-shot splits N only until an op has ``SIDE_PROGRAMS`` programs, up to
     ``SIDE_FEW_PAIRS`` pairs; past them, and for every other path, the side stream gets the op's tiles."""
-    from moelora_lab.op.dispatch import MAX_EXPAND_COLUMNS, SIDE_FEW_PAIRS, SIDE_PROGRAMS
-
     def programs(cfg, pairs, slices):
         return (pairs // cfg.block_m + pairs) * slices * cfg.n_chunks      # the rule's count of blocks
 
     for rank in (16, 64):
         for n_out, slices in OUTPUTS:
-            for pairs in (1, 8, 16, 24, SIDE_FEW_PAIRS):
+            for pairs in (1, 8, 16, 24, rules.SIDE_FEW_PAIRS):
                 alone = gpu_config("one_shot", pairs, pairs, n_out, slices, 132, rank=rank)
                 side = gpu_config("one_shot", pairs, pairs, n_out, slices, 132, rank=rank, side_stream=True)
                 assert side.replace(n_chunks=1, block_n=128) == alone.replace(n_chunks=1, block_n=128)
                 assert side.n_chunks <= alone.n_chunks
                 # enough programs (or a chunk per column tile), and one chunk fewer would not be enough
-                assert programs(side, pairs, slices) >= SIDE_PROGRAMS or side.n_chunks == -(-n_out // side.block_n)
+                assert (programs(side, pairs, slices) >= rules.SIDE_PROGRAMS
+                        or side.n_chunks == -(-n_out // side.block_n))
                 one_fewer = programs(side, pairs, slices) // side.n_chunks * (side.n_chunks - 1)
-                assert (side.n_chunks == 1 or one_fewer < SIDE_PROGRAMS
-                        or side.n_chunks == -(-n_out // MAX_EXPAND_COLUMNS))      # the expand's column cap
-            for pairs, path in ((SIDE_FEW_PAIRS + 1, "one_shot"), (16, "two_kernel"), (16, "small_batch")):
+                assert (side.n_chunks == 1 or one_fewer < rules.SIDE_PROGRAMS
+                        or side.n_chunks == -(-n_out // rules.MAX_EXPAND_COLUMNS))      # the expand's column cap
+            for pairs, path in ((rules.SIDE_FEW_PAIRS + 1, "one_shot"), (16, "two_kernel"), (16, "small_batch")):
                 assert gpu_config(path, pairs, pairs, n_out, slices, 132, rank=rank, side_stream=True) == gpu_config(
                     path, pairs, pairs, n_out, slices, 132, rank=rank)
     # the probe's cases (qwen3-30b-a3b's w13 and w2 at r 64): 16 pairs 2 and 4 chunks, 32 pairs 1 and 2

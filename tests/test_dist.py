@@ -6,6 +6,7 @@ reads its case's result; the kernels run in the Triton interpreter.
 """
 from __future__ import annotations
 
+import os
 import moelora_lab  # noqa: F401  (must come before triton)
 
 import pytest
@@ -173,3 +174,11 @@ def test_run_local_reports_the_failing_rank_and_rejects_local_functions():
         run_local(lambda rank, world: rank, 2)
     with pytest.raises(ValueError, match="backend"):
         run_local(dist_workers.fail_on_one, 2, backend="mpi")
+
+
+def test_gloo_processes_run_the_kernels_on_the_interpreter_whatever_the_parent_says(monkeypatch):
+    """gloo works on CPU tensors: its processes use the interpreter even where a GPU is visible (a notebook
+    on a one-GPU machine), and the parent's environment is left as it was."""
+    monkeypatch.setenv("MOELORA_INTERPRET", "0")
+    assert run_local(dist_workers.interpreter_state, 2, threads=1) == [(True, "1"), (True, "1")]
+    assert os.environ["MOELORA_INTERPRET"] == "0"

@@ -71,7 +71,7 @@ def test_one_launch_runs_every_shrink_program_before_any_gemm_tail(device):
     E, I, H, k = SHAPE.num_experts, SHAPE.intermediate, SHAPE.hidden, SHAPE.top_k
     P, L = 13 * k, 3
     w13_ext = pack_w13_in_k(inputs["w13"], inputs["w13_lora_b"])
-    plan = plan_layer(p.topk_ids, p.token_lora, E, L, 8, hidden=H, intermediate=I, schedule="sequential")
+    plan = plan_layer(p.topk_ids, p.token_lora, E, L, 8, intermediate=I, schedule="sequential")
     t13 = poisoned((2, P, L * 8), torch.float32, device)
     out = poisoned((P, 2 * I), torch.float32, device)
     counters = torch.zeros(2, dtype=torch.int32, device=device)

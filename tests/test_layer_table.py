@@ -71,6 +71,9 @@ def test_rows_say_what_they_are():
         Schedule("x", toy_runner, "winner", 1, (("a", "main"),), "x")
     with pytest.raises(ValueError, match="cannot name a schedule"):
         Schedule("auto", toy_runner, "product", 1, (("a", "main"),), "x")
+    for name in ("NO_SUCH_RULE", "KernelConfig"):                   # a limit by name names a rule of ``rules``
+        with pytest.raises(ValueError, match=f"max_columns={name!r} names no rule"):
+            Schedule("x", toy_runner, "experiment", 1, (("a", "main"),), "x", max_columns=name)
     with pytest.raises(ValueError, match="schedule: 'nope' is not one of"):
         get_schedule("nope")
     with pytest.raises(TypeError, match="schedule: expected a str"):

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import moelora_lab as ml
-from moelora_lab import base_moe as moe
+from moelora_lab import base_moe as moe, rules
 from moelora_lab.routing.device import make_blocks
 from moelora_lab.base_moe import fused_columns, gemm_tiles, moe_gemm
 from utils import assert_close, poisoned
@@ -163,7 +163,7 @@ def test_joins_drop_the_delta_of_tokens_without_an_adapter(device, top_k, cols, 
     """The activation and the top-k sum read a delta row before they know the token's adapter: rows of tokens
     without one hold NaN here (never written by the LoRA) and must not reach the output; the outputs start as
     NaN, so an unwritten element fails too. k = 6 pads the sum's tile of rows, 1030 columns split into tiles."""
-    monkeypatch.setattr(moe, "SUM_TILE_MAX_PAIRS", 10**6 if tile else 0)     # the sum's two forms
+    monkeypatch.setattr(rules, "SUM_TILE_MAX_PAIRS", 10**6 if tile else 0)     # the sum's two forms
     gen = torch.Generator().manual_seed(top_k)
     M = 7
     assert moe.rows_as_tile(M * top_k) == tile
@@ -183,5 +183,5 @@ def test_joins_drop_the_delta_of_tokens_without_an_adapter(device, top_k, cols, 
 
 
 def test_the_sum_takes_rows_as_a_tile_up_to_its_pairs():
-    assert moe.rows_as_tile(1) and moe.rows_as_tile(moe.SUM_TILE_MAX_PAIRS)
-    assert not moe.rows_as_tile(moe.SUM_TILE_MAX_PAIRS + 1)
+    assert moe.rows_as_tile(1) and moe.rows_as_tile(rules.SUM_TILE_MAX_PAIRS)
+    assert not moe.rows_as_tile(rules.SUM_TILE_MAX_PAIRS + 1)

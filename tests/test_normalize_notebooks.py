@@ -61,3 +61,30 @@ def test_written_as_jupyterlab_writes_it(tmp_path):
 def test_committed_notebooks_are_normalized(path):
     nb = json.loads(path.read_text())
     assert normalize_notebooks.normalize(copy.deepcopy(nb)) == nb, f"run: python scripts/normalize_notebooks.py {path}"
+
+
+def test_stream_outputs_of_one_name_are_joined():
+    outs = [{"output_type": "stream", "name": "stdout", "text": ["a\n", "b"]},
+            {"output_type": "stream", "name": "stdout", "text": "c\nd\n"},
+            {"output_type": "stream", "name": "stderr", "text": "w\n"},
+            {"output_type": "stream", "name": "stdout", "text": "e\n"}]
+    nb = normalize_notebooks.normalize({"metadata": {}, "cells": [{"cell_type": "code", "outputs": outs}]})
+    assert nb["cells"][0]["outputs"] == [
+        {"output_type": "stream", "name": "stdout", "text": ["a\n", "bc\n", "d\n"]},
+        {"output_type": "stream", "name": "stderr", "text": ["w\n"]},
+        {"output_type": "stream", "name": "stdout", "text": ["e\n"]}]
+
+
+def test_executing_the_tour_again_leaves_it_as_committed(tmp_path):
+    """What `make notebooks` promises: executed again and normalized, a notebook is the committed file."""
+    nbclient = pytest.importorskip("nbclient")
+    path = ROOT / "notebooks" / "00_tour.ipynb"
+    committed = json.loads(path.read_text())
+    nbformat = pytest.importorskip("nbformat")
+    nb = nbformat.read(str(path), as_version=4)
+    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                            resources={"metadata": {"path": str(path.parent)}}).execute()
+    again = normalize_notebooks.normalize(json.loads(nbformat.writes(nb)))
+    for i, (old, new) in enumerate(zip(committed["cells"], again["cells"])):
+        assert old.get("outputs") == new.get("outputs"), f"cell {i} prints something else when run again"
+    assert again == committed

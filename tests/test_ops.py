@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import moelora_lab as ml
+from moelora_lab import rules
 from moelora_lab.op.dispatch import KernelConfig
 from moelora_lab.op.face import moe_lora
 from moelora_lab.routing import naive_block_list
@@ -153,8 +154,8 @@ def test_auto_uses_the_documented_rule(device):
             assert choose_path(num_pairs=pairs, rank=16, n_out=n_out, **e) == "one_shot"
             assert choose_path(num_pairs=pairs, rank=64, n_out=n_out, **e) == "one_shot"
     # one rank tile of 128 (the widest tile of the GPU configs): two kernels from 9 to 512 pairs
-    from moelora_lab.op.dispatch import CONFIGS, ONE_TILE_MAX_RANK
-    assert CONFIGS["decode"].max_block_r == CONFIGS["prefill"].max_block_r == ONE_TILE_MAX_RANK
+    configs = rules.CONFIGS
+    assert configs["decode"].max_block_r == configs["prefill"].max_block_r == rules.ONE_TILE_MAX_RANK
     assert choose_path(num_pairs=8, rank=128, **e) == "one_shot"
     assert choose_path(num_pairs=9, rank=128, **e) == "two_kernel"
     assert choose_path(num_pairs=512, rank=96, n_out=2048, **e) == "two_kernel"
@@ -275,7 +276,7 @@ def test_actual_adapter_ranks_skip_the_padding(device, path):
 def test_gpu_tile_rule_for_narrow_ranks():
     """dispatch.gpu_config (the GPU rule, testable without a GPU): 2 warps and BLOCK_K 128 for the
     one-shot kernel with a 16-wide rank tile only; a 16-pair program expands at most 1024 columns."""
-    from moelora_lab.op.dispatch import MAX_EXPAND_COLUMNS, gpu_config
+    from moelora_lab.op.dispatch import gpu_config
     for rank, warps in ((8, 2), (16, 2), (32, 4), (64, 4), (None, 4)):
         assert gpu_config("one_shot", 4096, 512, 2048, 1, 132, rank=rank).num_warps == warps, rank
     # the two-kernel path: 2 warps for blocks of <= 32 pairs with rank tiles <= 64 wide, else 4
@@ -283,7 +284,7 @@ def test_gpu_tile_rule_for_narrow_ranks():
         assert gpu_config("two_kernel", pairs, 512, 2048, 1, 132, rank=rank).num_warps == warps, (pairs, rank)
     for n_out in (768, 2048, 5000):
         cfg = gpu_config("one_shot", 4096, 512, n_out, 1, 132, rank=16)
-        assert cfg.block_m == 16 and cfg.n_chunks >= -(-n_out // MAX_EXPAND_COLUMNS)
+        assert cfg.block_m == 16 and cfg.n_chunks >= -(-n_out // rules.MAX_EXPAND_COLUMNS)
     # a wider rank tile re-reads more of A per chunk: chunks for ~2 programs per SM, no column cap
     for rank, chunks in ((16, 2), (32, 1), (64, 1), (128, 1)):
         assert gpu_config("one_shot", 4096, 512, 2048, 1, 132, rank=rank).n_chunks == chunks, rank

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from moelora_lab import rules
 from moelora_lab.op import dispatch
 
 PROBES = Path(__file__).parent.parent / "scripts" / "probes"
@@ -83,11 +84,28 @@ def test_join_border_runs_each_form_and_restores_the_border():
     from moelora_lab import base_moe as moe
 
     probe = load("join_border")
-    kept = moe.SUM_TILE_MAX_PAIRS
+    kept = rules.SUM_TILE_MAX_PAIRS
     many = 1 << 20                                   # pairs on the loop's side of the rule's border
     assert not moe.rows_as_tile(many)
     assert {form: probe.in_form(form, lambda: moe.rows_as_tile(many))() for form in probe.FORMS} == \
         {"tile": True, "loop": False}
     assert probe.in_form("loop", lambda: moe.rows_as_tile(1))() is False
-    assert moe.SUM_TILE_MAX_PAIRS == kept
+    assert rules.SUM_TILE_MAX_PAIRS == kept
+
+
+def test_plan_knobs_set_what_the_construction_reads_and_restore_it():
+    """Each knob names a function of the construction or a rule, where the plan reads it (a rule set on another
+    module would change nothing), and a plan built with it leaves the knob as it was."""
+    import moelora_lab as ml
+    from moelora_lab.routing import device as align
+
+    probe = load("plan_knobs")
+    shape = ml.PRESETS["tiny"]
+    p = ml.make_problem(shape, ml.LoRAShape(2, 4), 8, seed=0)
+    for name, knob in probe.KNOBS.items():
+        module, attribute, _ = knob
+        assert module is (rules if attribute.isupper() else align) and hasattr(module, attribute), name
+        kept = getattr(module, attribute)
+        plan = probe._plan(p.topk_ids, p.token_lora, shape.num_experts, 2, 4, shape.intermediate, knob)()
+        assert plan.lora_blocks is not None and getattr(module, attribute) is kept, name
 

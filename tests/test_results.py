@@ -3,9 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from moelora_lab import results
+from moelora_lab import results, rules
 
-from moelora_lab.op import dispatch
 from moelora_lab.results import DATA_SCHEMA, StaleDataError, check_current, config_fingerprint, load, stamp
 
 
@@ -16,13 +15,13 @@ def rows(**change):
 def test_fingerprint_follows_every_rule(monkeypatch):
     before = config_fingerprint()
     assert len(before) == 12 and before == config_fingerprint()
-    monkeypatch.setattr(dispatch, "TWO_KERNEL_MAX_PAIRS", dispatch.TWO_KERNEL_MAX_PAIRS * 2)
+    monkeypatch.setattr(rules, "TWO_KERNEL_MAX_PAIRS", rules.TWO_KERNEL_MAX_PAIRS * 2)
     assert config_fingerprint() != before                     # the auto rule moved
     monkeypatch.undo()
-    monkeypatch.setattr(dispatch, "MAX_EXPAND_COLUMNS", 2048)
+    monkeypatch.setattr(rules, "MAX_EXPAND_COLUMNS", 2048)
     assert config_fingerprint() != before                     # a tile rule moved
     monkeypatch.undo()
-    monkeypatch.setattr(dispatch, "SIDE_PROGRAMS", dispatch.SIDE_PROGRAMS * 2)
+    monkeypatch.setattr(rules, "SIDE_PROGRAMS", rules.SIDE_PROGRAMS * 2)
     assert config_fingerprint() != before                     # the side stream's tiles moved
     monkeypatch.undo()
     from moelora_lab import base_moe as moe

@@ -3,6 +3,7 @@ each one move, and the functions that apply them read them when called."""
 from __future__ import annotations
 
 import ast
+import json
 import re
 from pathlib import Path
 
@@ -12,14 +13,12 @@ from moelora_lab import rules
 
 from moelora_lab.routing import device as align
 
-from moelora_lab.op import dispatch
-
 from moelora_lab import base_moe as moe
-from moelora_lab.layer import in_k_launch
 from moelora_lab.results import config_fingerprint
 from moelora_lab.tiles import KernelConfig
 
 PACKAGE = Path(rules.__file__).resolve().parent
+ROOT = PACKAGE.parent
 DATA_PATH = re.compile(r"\bdata/(?:h200|history)/[\w.-]+\.\w+")
 
 # Rules the data fingerprint (``results._rule_table``) does not cover: changing one would not mark the
@@ -40,11 +39,6 @@ BLIND_MOVES = {
     "VERY_WIDE_COLUMNS": {"/2"},            # 2048 -> 1024: choose_path sees N of 768 and 2048 only
     "ONE_TILE_WIDE_MIN_PAIRS": {"x2"},      # 2048 -> 4096: no grid point between 1024 and 4096 pairs
 }
-OLD_HOMES = {dispatch: dispatch._RULES, moe: ("MAX_FUSED_COLUMNS", "HALF_TAIL_MIN_BLOCK", "SUM_TILE_ELEMENTS",
-                                              "SUM_TILE_MAX_PAIRS", "TAIL_ALIGN"),
-             align: ("SORT_MAX_PAIRS", "RECOUNT_MAX_PAIRS", "RECOUNT_SUB", "HIST_PAIRS", "RECOUNT_WARPS", "SUB",
-                     "SCAN_TILE", "SCAN_GROUPS", "PDL", "TABLE_BLOCKS"),
-             in_k_launch: ("FILL_ROWS",)}
 
 
 def rule_comments() -> dict[str, list[str]]:
@@ -142,18 +136,78 @@ def test_rules_outside_the_fingerprint_steer_their_functions_when_called(monkeyp
     assert (rules.SORT_MAX_PAIRS, rules.RECOUNT_MAX_PAIRS, rules.PDL) == (256, 512, True)
 
 
-def test_old_homes_read_and_set_the_rules(monkeypatch):
-    """``dispatch.X``, ``moe.X``, ``align.X`` and ``in_k_launch.X`` are the rule itself: reading gives
-    ``rules.X``, setting (a probe, a monkeypatch) sets it, and an undo restores it."""
-    for module, names in OLD_HOMES.items():
-        for name in names:
-            assert getattr(module, name) is getattr(rules, name), f"{module.__name__}.{name}"
-    saved = rules.TWO_KERNEL_MAX_PAIRS
-    monkeypatch.setattr(dispatch, "TWO_KERNEL_MAX_PAIRS", saved * 2)
-    assert rules.TWO_KERNEL_MAX_PAIRS == saved * 2 and dispatch.choose_path(saved * 2, 8, 4, 256) == "two_kernel"
-    monkeypatch.undo()
-    assert rules.TWO_KERNEL_MAX_PAIRS == dispatch.TWO_KERNEL_MAX_PAIRS == saved
-    from moelora_lab.op.dispatch import CONFIGS, KernelConfig as Old         # the names importable where they were
-    assert CONFIGS is rules.CONFIGS and Old is KernelConfig
-    with pytest.raises(AttributeError, match="not rules: NO_SUCH_RULE"):
-        rules.expose(__name__, ("NO_SUCH_RULE",))
+def test_the_in_gemm_limit_is_read_when_called(monkeypatch):
+    """The schedules whose LoRA is in the GEMMs name their limit's rule; the limit and ``fused_fits`` read it."""
+    from moelora_lab.layer import SCHEDULES
+    from moelora_lab.layer.plan import fused_fits
+
+    limited = [row for row in SCHEDULES.values() if row.max_columns == "MAX_FUSED_COLUMNS"]
+    assert limited and all(row.too_wide(3, 8) is None for row in limited) and fused_fits(3, 8)
+    monkeypatch.setattr(rules, "MAX_FUSED_COLUMNS", 16)                 # L*r = 24, padded to 32
+    assert all("L*r <= 16" in row.too_wide(3, 8) for row in limited) and not fused_fits(3, 8)
+
+
+def test_rules_holds_only_rules():
+    """No function or class is defined in rules.py: only the constants and what they are built from."""
+    own = {name for name, value in vars(rules).items()
+           if not name.startswith("_") and getattr(value, "__module__", None) == rules.__name__}
+    assert not own, f"rules.py defines {sorted(own)}: keep code with the modules the rules steer"
+
+
+def _reads_rules(node) -> bool:
+    return (isinstance(node, ast.Name) and node.id == "rules") or (isinstance(node, ast.Attribute)
+                                                                     and node.attr == "rules")
+
+
+def rule_copies(source: str) -> list[str]:
+    """Where ``source`` reads or sets a rule other than as ``rules.NAME`` when it runs: through another module
+    (``dispatch.NAME``, ``setattr(align, "NAME", ...)``), as a copy taken at import (``from ... import NAME``)
+    or as a constant of the same name at the top of a module."""
+    names = set(RULES)
+    tree = ast.parse("\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines()))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            found += [f"line {node.lineno}: from {node.module} import {a.name}" for a in node.names if a.name in names]
+        elif isinstance(node, ast.Attribute) and node.attr in names and not _reads_rules(node.value):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        elif (isinstance(node, ast.Call) and ast.unparse(node.func).endswith(("setattr", "getattr"))
+              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value in names
+              and not _reads_rules(node.args[0])):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        found += [f"line {node.lineno}: {t.id} = ..." for t in targets if isinstance(t, ast.Name) and t.id in names]
+    return found
+
+
+def test_the_copy_finder_sees_each_form():
+    for form in ("from moelora_lab.op.dispatch import CONFIGS", "dispatch.CONFIGS['decode']", "moe.SUM_TILE_MAX_PAIRS + 1",
+                 "align.PDL = False", 'monkeypatch.setattr(align, "PDL", False)', "setattr(align, 'SUB', 4)",
+                 "FILL_ROWS = 32", "MAX_FUSED_COLUMNS: int = 128"):
+        assert rule_copies(form), form
+    assert not rule_copies('rules.CONFIGS["decode"]\nml.rules.SUB\nmonkeypatch.setattr(rules, "PDL", False)\n'
+                           'rules.PDL = True\ndef f(SUB=4):\n    PDL = 1\n')
+
+
+def sources():
+    """(where, source) of every file that may touch a rule: the package but rules.py, the tests, the scripts, the
+    reference solutions and the notebooks' code cells."""
+    files = [p for p in sorted(PACKAGE.rglob("*.py")) if p.name != "rules.py" or p.parent != PACKAGE]
+    for folder in ("tests", "scripts", "solutions"):
+        files += sorted((ROOT / folder).rglob("*.py"))
+    for path in files:
+        yield path.relative_to(ROOT).as_posix(), path.read_text()
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        for i, cell in enumerate(json.loads(path.read_text())["cells"]):
+            if cell["cell_type"] == "code":
+                yield f"{path.relative_to(ROOT).as_posix()} cell {i}", "".join(cell["source"])
+
+
+def test_every_rule_is_read_and_set_as_rules_name():
+    """A rule lives in ``rules`` alone: a copy elsewhere would not follow ``rules.NAME = ...`` (a probe, a
+    monkeypatch), and setting it through another module would change nothing the code reads."""
+    seen = list(sources())
+    assert len(seen) > 100 and any(where.startswith("notebooks/") for where, _ in seen)
+    copies = {where: found for where, source in seen if (found := rule_copies(source))}
+    assert not copies, f"read or set a rule as rules.NAME: {copies}"

@@ -18,16 +18,55 @@ def load_peft(sources, *, num_experts: int | None = None, slot_rank: int | None 
               dtype: torch.dtype = torch.float32, device=None, others: str = "error") -> dict:
     """PEFT adapters of MoE experts in the lab's layout, one slot per adapter.
 
-    sources: a PEFT directory, a ``(state_dict, config)`` tuple, or a list of them (slot l = sources[l]).
-    num_experts: E. Without it E is inferred: fused experts, lora_A's rows / the config's r (so a
-    config whose r is wrong by a factor of the experts cannot be caught: pass it to have r checked);
-    per-expert modules, the largest expert index + 1 (pass it when the last experts are untouched).
-    slot_rank: the stack's rank (default the largest adapter's; smaller adapters, and experts of
-    smaller rank from a rank_pattern, are padded with zeros and ``lora_ranks`` holds each adapter's
-    largest rank). pack: store B N-fastest (``pack_lora_b``). others: "error" (default) refuses tensors
-    that are not LoRA on experts (attention, embeddings), "ignore" skips them.
-    Returns {layer prefix (e.g. "model.layers.0.mlp.experts"): {"w13_lora_a", "w13_lora_b", "w2_lora_a",
-    "w2_lora_b", "lora_ranks"}}, the four weight lists ready for ``moe_lora_layer``.
+    Parameters
+    ----------
+    sources : str, Path, tuple or list
+        A PEFT directory (``adapter_config.json`` + ``adapter_model.safetensors``), a ``(state_dict,
+        config)`` tuple, or a list of them (slot l = sources[l]).
+    num_experts : int, optional
+        E. Without it E is inferred: fused experts, lora_A's rows / the config's r (so a config whose r
+        is wrong by a factor of the experts cannot be caught: pass it to have r checked); per-expert
+        modules, the largest expert index + 1 (pass it when the last experts are untouched).
+    slot_rank : int, optional
+        The stack's rank (default the largest adapter's; smaller adapters, and experts of smaller rank
+        from a rank_pattern, are padded with zeros and ``lora_ranks`` holds each adapter's largest rank).
+    pack : bool
+        Store B N-fastest (:func:`moelora_lab.pack_lora_b`).
+    dtype, device
+        Of the returned tensors.
+    others : str
+        "error" (default) refuses tensors that are not LoRA on experts (attention, embeddings),
+        "ignore" skips them.
+
+    Returns
+    -------
+    dict
+        {layer prefix (e.g. "model.layers.0.mlp.experts"): {"w13_lora_a", "w13_lora_b", "w2_lora_a",
+        "w2_lora_b", "lora_ranks"}}: the four weight lists ready for ``moe_lora_layer``, scaling folded
+        into B.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from moelora_lab.adapters import load_peft, save_peft
+    >>> E, r, H, I = 4, 2, 8, 6                      # experts, rank, hidden, expert intermediate
+    >>> g = torch.Generator().manual_seed(0)
+    >>> experts = "base_model.model.model.layers.0.mlp.experts"          # fused 3D experts, as PEFT saves them
+    >>> state = {f"{experts}.base_layer.lora_A.weight": torch.randn(E * r, H, generator=g),    # gate_up_proj
+    ...          f"{experts}.base_layer.lora_B.weight": torch.randn(2 * I, r * E, generator=g),
+    ...          f"{experts}.lora_A.weight": torch.randn(E * r, I, generator=g),               # down_proj
+    ...          f"{experts}.lora_B.weight": torch.randn(H, r * E, generator=g)}
+    >>> config = dict(peft_type="LORA", r=r, lora_alpha=2 * r,
+    ...               target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+    >>> weights = load_peft([(state, config), (state, config)], num_experts=E)     # two slots
+    >>> layer = weights["model.layers.0.mlp.experts"]
+    >>> [tuple(a.shape) for a in layer["w13_lora_a"]], tuple(layer["w2_lora_b"][0].shape)   # [L, E, r, H], [L, E, H, r]
+    ([(2, 4, 2, 8), (2, 4, 2, 8)], (2, 4, 8, 2))
+    >>> layer["lora_ranks"].tolist()
+    [2, 2]
+    >>> # B's column i*E + e holds (rank i, expert e); the scaling lora_alpha / r = 2 is folded in
+    >>> torch.equal(layer["w2_lora_b"][0][0], 2 * state[f"{experts}.lora_B.weight"].view(H, r, E).permute(2, 0, 1))
+    True
     """
     if others not in ("error", "ignore"):
         raise ValueError(f"others: expected 'error' or 'ignore', got {others!r}")
@@ -77,12 +116,50 @@ def load_peft(sources, *, num_experts: int | None = None, slot_rank: int | None 
 
 
 def save_peft(weights: dict, folder, *, slot: int = 0, lora_alpha: float | None = None) -> Path:
-    """Write slot ``slot`` of ``load_peft``'s result (prefix -> layer weights) as a PEFT adapter on fused
-    3D experts (``target_parameters``), the inverse of ``load_peft`` for that layout.
+    """Write one slot of ``load_peft``'s result as a PEFT adapter on fused 3D experts
+    (``target_parameters``), the inverse of ``load_peft`` for that layout.
 
-    The slot's rank r comes from ``lora_ranks``. ``lora_alpha`` (a positive number) defaults to r
-    (scaling 1: B is written as stored, so load -> save -> load is exact); another alpha divides B by
-    alpha / r. gate and up must share their A (PEFT has one A for gate_up_proj). Returns the folder.
+    Parameters
+    ----------
+    weights : dict
+        ``load_peft``'s result: layer prefix -> layer weights.
+    folder : str or Path
+        Where ``adapter_config.json`` and ``adapter_model.safetensors`` go (created if missing).
+    slot : int
+        The slot to write; its rank r comes from ``lora_ranks``. gate and up must share their A (PEFT
+        has one A for gate_up_proj).
+    lora_alpha : float, optional
+        A positive number; defaults to r (scaling 1: B is written as stored, so load -> save -> load is
+        exact); another alpha divides B by alpha / r.
+
+    Returns
+    -------
+    Path
+        ``folder``.
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> import torch
+    >>> from moelora_lab.adapters import load_peft, save_peft
+    >>> E, r, H, I = 4, 2, 8, 6                      # experts, rank, hidden, expert intermediate
+    >>> g = torch.Generator().manual_seed(0)
+    >>> experts = "base_model.model.model.layers.0.mlp.experts"          # fused 3D experts, as PEFT saves them
+    >>> state = {f"{experts}.base_layer.lora_A.weight": torch.randn(E * r, H, generator=g),    # gate_up_proj
+    ...          f"{experts}.base_layer.lora_B.weight": torch.randn(2 * I, r * E, generator=g),
+    ...          f"{experts}.lora_A.weight": torch.randn(E * r, I, generator=g),               # down_proj
+    ...          f"{experts}.lora_B.weight": torch.randn(H, r * E, generator=g)}
+    >>> config = dict(peft_type="LORA", r=r, lora_alpha=2 * r,
+    ...               target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+    >>> weights = load_peft([(state, config), (state, config)], num_experts=E)     # two slots
+    >>> with tempfile.TemporaryDirectory() as tmp:
+    ...     folder = save_peft(weights, tmp, slot=1)
+    ...     print(sorted(f.name for f in folder.iterdir()))
+    ...     again = load_peft(str(folder))
+    ['adapter_config.json', 'adapter_model.safetensors']
+    >>> prefix = "model.layers.0.mlp.experts"
+    >>> torch.equal(again[prefix]["w2_lora_b"][0][0], weights[prefix]["w2_lora_b"][0][1])      # exact
+    True
     """
     if not isinstance(weights, dict) or not weights:
         raise ValueError(f"weights: expected load_peft's result (prefix -> layer weights), got "

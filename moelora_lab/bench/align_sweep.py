@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import rules
 from ..routing import device as align
 from ..routing.device import block_list_device
 from ..config import MoEShape
@@ -26,7 +27,8 @@ RECOUNT_ROWS_MAX_PAIRS = 4096  # so does the recount (every program reads all pa
 def add_parser(sub):
     a = sweep_parser(sub, NAME, "routing metadata: PyTorch ops vs device kernels", name="align",
                      presets=("qwen3-30b-a3b", "deepseek-v2-lite"), tokens=(1, 16, 64, 128, 512, 2048, 8192), dtype=False)
-    a.add_argument("--block-size", type=int, default=16)
+    a.add_argument("--block-size", type=int, default=16,
+                   help="rows per block of the block list (default: %(default)s)")
 
 
 def run(args) -> list[dict]:
@@ -40,7 +42,7 @@ def run(args) -> list[dict]:
             fns = {"torch_ops": lambda: block_list(ids, lora, E, L, bs),
                    "triton_kernels": lambda: block_list_device(ids, lora, E, L, bs, validate=False)}
             n = M * shape.top_k
-            sorts, recounts = n <= align.SORT_MAX_PAIRS, align.SORT_MAX_PAIRS < n <= align.RECOUNT_MAX_PAIRS
+            sorts, recounts = n <= rules.SORT_MAX_PAIRS, rules.SORT_MAX_PAIRS < n <= rules.RECOUNT_MAX_PAIRS
             if not sorts and n <= SORT_ROWS_MAX_PAIRS:
                 fns["triton_sort"] = _built(ids, lora, E, L, bs, sort_max_pairs=n)
             if not recounts and n <= RECOUNT_ROWS_MAX_PAIRS:

@@ -23,13 +23,21 @@ SUBCOMMANDS = {m.NAME: m for m in (kernels_sweep, registers_sweep, layer_sweep, 
                                    dram_sweep)}
 
 
-def parse_args(argv) -> argparse.Namespace:
-    """The parsed subcommand and its arguments, with ``argv`` and the recorded ``command``."""
-    p = argparse.ArgumentParser(prog=common.PROG, description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``python -m moelora_lab.bench``, a subparser per module of ``SUBCOMMANDS``."""
+    p = argparse.ArgumentParser(prog=common.PROG, description=__doc__.split("\n\n")[0],
+                                epilog="Every subcommand needs a CUDA GPU and stops at once on a CPU (but `dram "
+                                       "--from-report`, which parses a saved report); `<subcommand> --help` lists its "
+                                       "options.")
     sub = p.add_subparsers(dest="what", required=True)
     for module in SUBCOMMANDS.values():
         module.add_parser(sub)
-    args = p.parse_args(argv)
+    return p
+
+
+def parse_args(argv) -> argparse.Namespace:
+    """The parsed subcommand and its arguments, with ``argv`` and the recorded ``command``."""
+    args = build_parser().parse_args(argv)
     args.argv = list(argv)
     args.command = common.command_line(argv)
     return args

@@ -6,6 +6,7 @@ Shape legend: M tokens, E experts, k top-k, L adapters, r rank, H hidden, I expe
 from __future__ import annotations
 
 import shlex
+import textwrap
 from pathlib import Path
 
 import torch
@@ -15,6 +16,8 @@ from ..results import DATA_DIR as DEFAULT_OUT
 
 DEVICE = "cuda"   # the benchmarks run on CUDA; tests point this at the CPU to run the pipeline end to end
 PROG = "python -m moelora_lab.bench"
+GPU_ONLY = ("Needs a CUDA GPU: on a CPU it stops at once; the committed CSVs under moelora_lab/data/ are what the "
+            "notebooks plot.")
 
 
 def close(got: torch.Tensor, want: torch.Tensor, tol: float = 2e-2) -> bool:
@@ -69,19 +72,24 @@ def progress(iterable=None, **kw):
 def sweep_parser(sub, what: str, help: str, *, name: str, tokens, presets=("qwen3-30b-a3b",), ranks=None,
                  dtype: bool = True, max_seconds: bool = False):
     """A subcommand with the arguments every sweep shares (ranks, dtype, time budget optional)."""
-    p = sub.add_parser(what, help=help)
-    p.add_argument("--presets", nargs="+", default=list(presets))
-    p.add_argument("--tokens", nargs="+", type=int, default=list(tokens))
+    p = sub.add_parser(what, help=help, description=textwrap.fill(f"{help[0].upper()}{help[1:]}. {GPU_ONLY}", 100))
+    p.add_argument("--presets", nargs="+", default=list(presets),
+                   help="layer shapes, names of moelora_lab.PRESETS (default: %(default)s)")
+    p.add_argument("--tokens", nargs="+", type=int, default=list(tokens),
+                   help="token counts M to sweep (default: %(default)s)")
     if ranks is not None:
-        p.add_argument("--ranks", nargs="+", type=int, default=list(ranks))
-    p.add_argument("--loras", type=int, default=4)
+        p.add_argument("--ranks", nargs="+", type=int, default=list(ranks),
+                       help="LoRA ranks r to sweep (default: %(default)s)")
+    p.add_argument("--loras", type=int, default=4, help="adapter slots L (default: %(default)s)")
     if dtype:
-        p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
-    p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
+                       help="dtype of the activations and weights (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random tensors and routing (default: %(default)s)")
     if max_seconds:
-        p.add_argument("--max-seconds", type=float, default=1e9, help="stop starting new cases after this long")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    p.add_argument("--name", default=name, help="file stem of the CSV and plots")
+        p.add_argument("--max-seconds", type=float, default=1e9, help="stop starting new cases after this many seconds")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                   help="folder for the CSV and plots (default: the committed data, %(default)s)")
+    p.add_argument("--name", default=name, help="file stem of the CSV and plots (default: %(default)s)")
     return p
 
 

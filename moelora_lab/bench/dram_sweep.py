@@ -53,8 +53,9 @@ PATHS = ("auto", "one_shot", "two_kernel")
 def add_parser(sub):
     d = sweep_parser(sub, NAME, "the LoRA op's DRAM bytes and rate by hardware counters (needs ncu)",
                      name="lora_dram", tokens=(512, 2048, 8192), ranks=(16, 64))
-    d.add_argument("--ops", nargs="+", choices=["w13", "w2"], default=["w13", "w2"])
-    d.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
+    d.add_argument("--ops", nargs="+", choices=["w13", "w2"], default=["w13", "w2"],
+                   help="projections: w13 (gate and up), w2 (down) (default: both)")
+    d.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS), help="LoRA paths to count (default: all)")
     d.add_argument("--ncu", default=None, help="the ncu executable (default: on PATH, else under /opt/nvidia)")
     d.add_argument("--from-report", type=Path, default=None,
                    help="parse a saved <name>_report.json again instead of measuring (no GPU needed)")

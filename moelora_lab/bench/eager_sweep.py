@@ -76,7 +76,7 @@ def _cases(shape, L, rank, M, seed, dtype, gen, weights):
     cfg = choose_config(path, M * shape.top_k, min(M * shape.top_k, L * E), shape.intermediate, 2, x.device, rank=rank)
     blocks = block_list(ids, tl, E, L, cfg.block_m) if path != "small_batch" else None
     layer = dict(x=x, topk_ids=ids, topk_weights=tw, token_lora=tl, **weights)
-    plan = plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=shape.intermediate)
+    plan = plan_layer(ids, tl, E, L, rank, intermediate=shape.intermediate)
     return {
         ("op", "checked"): lambda: moe_lora(**op, path=path),
         ("op", "reused"): lambda: moe_lora(**op, path=path, blocks=blocks, config=cfg),

@@ -42,7 +42,8 @@ def add_parser(sub):
                      name="one_shot_build", tokens=(64, 512, 2048, 8192), ranks=(16, 64))
     p.add_argument("--packed-tokens", nargs="*", type=int, default=[2048],
                    help="the M at which B is also timed packed N-fastest")
-    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                   help="builds of the one-shot kernel to time (default: all)")
 
 
 def run(args) -> list[dict]:

@@ -69,7 +69,7 @@ def run(args) -> list[dict]:
             w13_ext = pack_w13_in_k(w13, lora["w13_lora_b"])
             ids, tw, tl = sweep_routing(shape, L, M, args.seed)
             x = torch.randn(M, H, device=device(), generator=gen, dtype=dtype)
-            plan = plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I, schedule=KERNEL_ROWS[1])
+            plan = plan_layer(ids, tl, E, L, rank, intermediate=I, schedule=KERNEL_ROWS[1])
             plain = plan_layer(ids, tl, E, None, None)
             base = (x, ids, tw, tl, w13, w2)
             in_k = dict(w13_lora_a=lora["w13_lora_a"], w13_lora_b=lora["w13_lora_b"], w2_lora_a=lora["w2_lora_a"])

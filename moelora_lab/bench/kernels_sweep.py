@@ -35,8 +35,10 @@ def add_parser(sub):
     k = sweep_parser(sub, NAME, "LoRA op paths x presets x M x rank", name="kernels",
                      presets=("qwen3-30b-a3b", "deepseek-v2-lite"), tokens=(1, 8, 32, 128, 512, 2048, 8192),
                      ranks=(16, 64, 128, 256))
-    k.add_argument("--ops", nargs="+", choices=["w13", "w2"], default=["w13", "w2"])
-    k.add_argument("--paths", nargs="+", choices=KERNEL_CHOICES, default=list(KERNEL_CHOICES))
+    k.add_argument("--ops", nargs="+", choices=["w13", "w2"], default=["w13", "w2"],
+                   help="projections: w13 (gate and up), w2 (down) (default: both)")
+    k.add_argument("--paths", nargs="+", choices=KERNEL_CHOICES, default=list(KERNEL_CHOICES),
+                   help="LoRA paths to time, auto included (default: all)")
     k.add_argument("--small-batch-max-tokens", type=int, default=512,
                    help="skip the per-pair kernel above this M (it re-reads weights per pair)")
     k.add_argument("--time-alignment", action="store_true", help="also time block_list() per case")

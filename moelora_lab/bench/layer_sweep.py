@@ -95,9 +95,12 @@ def add_parser(sub):
     y.formatter_class, y.epilog = argparse.RawDescriptionHelpFormatter, _epilog()
     y.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(DEFAULT_VARIANTS), metavar="VARIANT",
                    help=f"a subset of {', '.join(VARIANTS)} (default: all but {' and '.join(BY_NAME)})")
-    y.add_argument("--trace-tokens", nargs="+", type=int, default=[1, 16, 128, 512, 2048, 8192])
-    y.add_argument("--trace-ranks", nargs="+", type=int, default=[16, 64])
-    y.add_argument("--side-priority", choices=SIDE_PRIORITIES, default=SIDE_PRIORITIES[0])
+    y.add_argument("--trace-tokens", nargs="+", type=int, default=[1, 16, 128, 512, 2048, 8192],
+                   help="M of the recorded two-stream timelines (default: %(default)s)")
+    y.add_argument("--trace-ranks", nargs="+", type=int, default=[16, 64],
+                   help="ranks r of the recorded timelines (default: %(default)s)")
+    y.add_argument("--side-priority", choices=SIDE_PRIORITIES, default=SIDE_PRIORITIES[0],
+                   help="priority of the LoRA side stream of the two-stream schedules (default: %(default)s)")
     y.add_argument("--trace-events", action="store_true",
                    help="also write the timelines as Chrome trace-event JSON (<out>/<name>_traces.trace.json, one "
                         "process per case) for Perfetto or chrome://tracing")
@@ -130,13 +133,13 @@ def run_layer(args) -> tuple[list[dict], dict]:
         lora = dict(layer_lora_weights(shape, L, rank, gen, dtype), side_priority=args.side_priority)
         ids, tw, tl = sweep_routing(shape, L, M, args.seed)
         x = torch.randn(M, H, device=device(), generator=gen, dtype=dtype)
-        plan_l = plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I, schedule=KERNEL_ROWS[1])
+        plan_l = plan_layer(ids, tl, E, L, rank, intermediate=I, schedule=KERNEL_ROWS[1])
         # a plan per row that does not share plan_l (where L*r fits), and per side-plan variant
-        plan_of = {name: plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I, schedule=name)
+        plan_of = {name: plan_layer(ids, tl, E, L, rank, intermediate=I, schedule=name)
                    for name, row in SCHEDULES.items() if name not in SHARED_PLAN and _fits(name, L, rank)}
-        plan_of.update({v: plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I, schedule=name)
+        plan_of.update({v: plan_layer(ids, tl, E, L, rank, intermediate=I, schedule=name)
                         for v, name in SIDE_OF.items()})
-        plan_a = plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I)      # as moe_lora_layer builds it
+        plan_a = plan_layer(ids, tl, E, L, rank, intermediate=I)      # as moe_lora_layer builds it
         plan_of.update({AUTO: plan_a, AUTO_PLAN: plan_a})                      # every other variant runs plan_l's path
         plan_b = plan_layer(ids, tl, E, None, None)
         base = (x, ids, tw, tl, w13, w2)
@@ -167,7 +170,7 @@ def run_layer(args) -> tuple[list[dict], dict]:
             "grouped_mm": lambda: tuple(f() for f in grouped),
             "no_lora_plan": lambda: moe_lora_layer(*base, validate=False),
             AUTO_PLAN: lambda: moe_lora_layer(*packed, **lora, in_k=pack, validate=False),
-            "plan": lambda: plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I, schedule=KERNEL_ROWS[1],
+            "plan": lambda: plan_layer(ids, tl, E, L, rank, intermediate=I, schedule=KERNEL_ROWS[1],
                                        validate=False),
         }
         work = count_workload(ids, tl, E, L)

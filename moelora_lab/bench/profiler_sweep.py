@@ -79,7 +79,7 @@ def run_profiles(args) -> dict:
             if row.too_wide(L, rank):
                 continue
             # the op's kernels share one plan made for one stream (the same kernels on both stream counts)
-            plan = plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I,
+            plan = plan_layer(ids, tl, E, L, rank, intermediate=I,
                               schedule=KERNEL_ROWS[1] if row.lora_paths is None else sched)
             run = (lambda tr, s=sched, pl=plan: moe_lora_layer(x, ids, tw, tl, w13, w2, **lora, schedule=s, plan=pl,
                                                                tracer=tr))

@@ -10,20 +10,24 @@ from pathlib import Path
 
 from ..profile import timing
 from ..profile.report import one_shot_report
-from .common import DEFAULT_OUT, progress
+from .common import DEFAULT_OUT, GPU_ONLY, progress
 
 NAME = "registers"
 REPORT_FIELDS = ("n_regs", "n_spills", "shared_bytes", "num_warps", "blocks_per_sm", "occupancy")
 
 
 def add_parser(sub):
-    g = sub.add_parser(NAME, help="registers / spills / occupancy of the one-shot kernel vs rank")
-    g.add_argument("--ranks", nargs="+", type=int, default=[16, 32, 64, 128, 192, 256, 512])
-    g.add_argument("--block-m", nargs="+", type=int, default=[16, 64])
+    what = "registers / spills / occupancy of the one-shot kernel vs rank"
+    g = sub.add_parser(NAME, help=what, description=f"{what[0].upper()}{what[1:]} (compiled, not timed). {GPU_ONLY}")
+    g.add_argument("--ranks", nargs="+", type=int, default=[16, 32, 64, 128, 192, 256, 512],
+                   help="LoRA ranks r to compile for (default: %(default)s)")
+    g.add_argument("--block-m", nargs="+", type=int, default=[16, 64],
+                   help="rows BLOCK_M of a tile (default: %(default)s)")
     g.add_argument("--max-block-r", nargs="+", type=int, default=[128, 512],
                    help="widest rank tile; 512 means one tile up to r = 512 (no rank tiling)")
-    g.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    g.add_argument("--name", default="registers")
+    g.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                   help="folder for the CSV (default: the committed data, %(default)s)")
+    g.add_argument("--name", default="registers", help="file stem of the CSV (default: %(default)s)")
 
 
 def run(args) -> list[dict]:

@@ -43,9 +43,11 @@ TILE_FIELDS = ("block_m", "block_n", "block_k", "n_chunks", "num_warps", "num_st
 def add_parser(sub):
     t = sweep_parser(sub, NAME, "greedy tile search of the LoRA op (one-shot and two-kernel)", name="lora_tune",
                      tokens=(16, 64, 512, 128, 1, 2048), ranks=(16, 64), max_seconds=True)
-    t.add_argument("--ops", nargs="+", choices=["w13", "w2"], default=["w13", "w2"])
+    t.add_argument("--ops", nargs="+", choices=["w13", "w2"], default=["w13", "w2"],
+                   help="projections: w13 (gate and up), w2 (down) (default: both)")
     block_paths = [name for name in TRITON_PATHS if PATHS[name].uses_blocks]
-    t.add_argument("--paths", nargs="+", choices=block_paths, default=block_paths)
+    t.add_argument("--paths", nargs="+", choices=block_paths, default=block_paths,
+                   help="LoRA paths whose tiles are searched (default: %(default)s)")
     t.add_argument("--passes", type=int, default=1, help="walks over all axes per case")
 
 

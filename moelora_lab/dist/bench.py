@@ -246,18 +246,29 @@ def worker(rank, world, args) -> dict:
     return out
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``python -m moelora_lab.dist.bench``."""
+    p = argparse.ArgumentParser(prog="python -m moelora_lab.dist.bench", description=__doc__.split("\n\n")[0],
+                                epilog="Needs --world CUDA GPUs: with fewer it stops at once; on a CPU, notebook 08 "
+                                       "runs both layers in gloo processes and plots the committed data.")
+    p.add_argument("--world", type=int, default=2, help="processes, one per GPU (default: %(default)s)")
+    p.add_argument("--preset", default="qwen3-30b-a3b", help="layer shape, a name of moelora_lab.PRESETS "
+                                                            "(default: %(default)s)")
+    p.add_argument("--tokens", nargs="+", type=int, default=[64, 4096],
+                   help="tokens per rank of the timed cases (decode, prefill; default: %(default)s)")
+    p.add_argument("--check-tokens", nargs="+", type=int, default=[16, 512],
+                   help="tokens per rank of the correctness checks (default: %(default)s)")
+    p.add_argument("--ranks", nargs="+", type=int, default=[16, 64], help="LoRA ranks r (default: %(default)s)")
+    p.add_argument("--loras", type=int, default=4, help="adapter slots L (default: %(default)s)")
+    p.add_argument("--reps", type=int, default=20, help="timed repetitions per step (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random tensors and routing (default: %(default)s)")
+    p.add_argument("--out", type=Path, default=OUT, help="folder for the files (default: the committed data, "
+                                                          "%(default)s)")
+    return p
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m moelora_lab.dist.bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--world", type=int, default=2)
-    p.add_argument("--preset", default="qwen3-30b-a3b")
-    p.add_argument("--tokens", nargs="+", type=int, default=[64, 4096], help="tokens per rank (decode, prefill)")
-    p.add_argument("--check-tokens", nargs="+", type=int, default=[16, 512])
-    p.add_argument("--ranks", nargs="+", type=int, default=[16, 64])
-    p.add_argument("--loras", type=int, default=4)
-    p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=OUT)
-    args = p.parse_args(argv)
+    args = build_parser().parse_args(argv)
     if torch.cuda.device_count() < args.world:
         print(f"needs {args.world} CUDA GPUs (found {torch.cuda.device_count()}); on the CPU, read the committed "
               f"data under {OUT}", file=sys.stderr)

@@ -136,24 +136,64 @@ def finalize(back: torch.Tensor, d: Dispatch, top_k: int) -> torch.Tensor:
 def ep_layer(x, topk_ids, topk_weights, token_lora, local: dict, partition: ExpertPartition, *, group=None,
              lora_ranks=None, schedule: str = "auto", lora_path: str = "auto", micro_batches: int = 1,
              counts: Counts | None = None, validate: bool = True, tracer=None) -> torch.Tensor:
-    """The MoE layer with LoRA, its experts spread over the ranks of ``group``: y [M, H] for this
-    rank's tokens.
+    """The MoE layer with LoRA, its experts spread over the ranks of ``group``. Collective: every rank
+    of ``group`` must call it (with any M, 0 included) with the same ``micro_batches``.
 
-    ``x`` [M, H], ``topk_ids`` [M, k] (global expert ids), ``topk_weights`` [M, k], ``token_lora`` [M]:
-    this rank's tokens, as for :func:`moelora_lab.moe_lora_layer`. ``local``: this rank's experts,
-    ``partition.shard(full_weights, rank)`` (``w13``, ``w2`` and optionally the four LoRA lists).
-    Collective: every rank of ``group`` must call it (with any M, 0 included) with the same
-    ``micro_batches``. ``counts``: :func:`count_pairs` of these very ids, made beforehand (else the
-    layer makes them: one host synchronisation). ``tracer`` (``profile.timeline.Tracer``) records the
-    stages.
+    Parameters
+    ----------
+    x, topk_ids, topk_weights, token_lora : torch.Tensor
+        This rank's tokens, as for :func:`moelora_lab.moe_lora_layer`: x [M, H], topk_ids [M, k]
+        (global expert ids), topk_weights [M, k], token_lora [M].
+    local : dict
+        This rank's experts, ``partition.shard(full_weights, rank)`` (``w13``, ``w2``, the LoRA lists).
+    partition : ExpertPartition
+        Which rank owns which experts.
+    group : torch.distributed.ProcessGroup, optional
+        Default: the world group.
+    lora_ranks, schedule, lora_path
+        As for :func:`moelora_lab.moe_lora_layer`, for the local layer.
+    micro_batches : int
+        Split the tokens so that the all-to-alls of one overlap the experts of another.
+    counts : Counts, optional
+        :func:`count_pairs` of these very ids (else the layer makes them: one host synchronisation).
+    validate, tracer
+        False skips the id ranges only, for ids you have checked; ``profile.timeline.Tracer``.
 
+    Returns
+    -------
+    torch.Tensor
+        y [M, H] for this rank's tokens.
+
+    Notes
+    -----
     Every rank checks all of its inputs before the first exchange of pairs: shapes, dtypes and
     devices, and (``validate=True``) the ids' ranges (global expert ids in [0, E), adapter slots in
     [-1, L), ``lora_ranks`` in [0, r]: one device read). The ranks then agree (one all-gather of a few
     integers, :func:`agree.agree`): if any rank's inputs are wrong, or the ranks disagree on H, the
     dtype, E, the adapters or ``micro_batches``, every rank raises the same ValueError or TypeError,
     naming the argument and the rank that holds it, instead of one rank raising while the others wait
-    in the all-to-all. ``validate=False`` skips the id ranges only, for ids you have checked.
+    in the all-to-all.
+
+    Examples
+    --------
+    >>> import moelora_lab as ml
+    >>> from moelora_lab.dist import ExpertPartition
+    >>> p = ml.make_problem("tiny", ml.LoRAShape(num_loras=2, rank=4), num_tokens=8, seed=0)
+    >>> part = ExpertPartition(p.shape.num_experts, 2)          # E = 8 experts over W = 2 ranks
+    >>> [list(part.experts_of(rank)) for rank in range(2)]
+    [[0, 1, 2, 3], [4, 5, 6, 7]]
+    >>> local = part.shard(p.layer_inputs(), 1)                 # rank 1's w13, w2 and LoRA lists
+    >>> tuple(local["w13"].shape), tuple(local["w13_lora_a"][0].shape)
+    ((4, 64, 64), (2, 4, 4, 64))
+
+    Every rank calls ``ep_layer(x, topk_ids, topk_weights, token_lora, local, part)`` on its tokens, as
+    ``dist.checks.ep_case`` does, here in two gloo processes (seconds: each starts Python and torch):
+
+    >>> from moelora_lab.dist import run_local
+    >>> from moelora_lab.dist.checks import default_case, ep_case
+    >>> out = run_local(ep_case, 2, default_case())                 # doctest: +SKIP
+    >>> [(o["rows"], o["vs_layer"] == 0.0) for o in out]            # doctest: +SKIP
+    [(6, True), (4, True)]
     """
     group = group if group is not None else dist.group.WORLD
     world, rank = dist.get_world_size(group), dist.get_rank(group)

@@ -6,13 +6,14 @@ TCP on localhost, calls ``fn(rank, W, *args)`` in each and returns the W results
 ``fn`` must be importable (a module-level function of an installed module) and its result
 picklable; results travel as bytes (tensors come back as CPU copies), so a process may exit before
 the parent reads what it sent. Backend ``gloo`` runs on the CPU (the kernels under the Triton
-interpreter); ``nccl`` gives rank w the GPU w, gloo for CPU tensors in the same group
+interpreter, also where a GPU is visible: its processes start with ``MOELORA_INTERPRET=1``); ``nccl`` gives rank w the GPU w, gloo for CPU tensors in the same group
 (``"cpu:gloo,cuda:nccl"``), and leaves NVLink multicast off (``NCCL_NVLS_ENABLE=0``) unless the
 environment says otherwise. The parent watches the processes: one that fails or dies ends the
 call at once with a RuntimeError naming its rank.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import queue as queue_module
@@ -77,11 +78,47 @@ def run_local(fn, world_size: int, *args, backend: str = "gloo", timeout_s: floa
               threads: int | None = None) -> list:
     """``[fn(0, W, *args), ..., fn(W-1, W, *args)]``, each computed in its own process of one group.
 
-    ``threads``: torch's CPU threads per process (default: the cores shared out, at least 1).
+    Parameters
+    ----------
+    fn : callable
+        A module-level function of an importable module, ``fn(rank, world_size, *args)``; its result
+        travels back to the caller.
+    world_size : int
+        W, the processes.
+    *args
+        Passed to every call of ``fn``.
+    backend : str
+        "gloo" (CPU tensors; the processes run the kernels on the Triton interpreter) or "nccl" (one GPU
+        per process).
+    timeout_s : float
+        Seconds to wait for every result.
+    threads : int, optional
+        torch's CPU threads per process (default: the cores shared out, at least 1).
+
+    Returns
+    -------
+    list
+        The W results, by rank.
+
+    Notes
+    -----
     A failure in any process raises a RuntimeError carrying that process's traceback; a process that
     dies without reporting one (a crash, the out-of-memory killer, ``os._exit``, a script that calls
     ``run_local`` without an ``if __name__ == "__main__":`` guard) raises one at once, with its rank and
     exit code, rather than after ``timeout_s``. The other processes are then terminated.
+
+    Examples
+    --------
+    ``divmod(rank, W)`` in each of two processes (several seconds: each starts Python and imports
+    torch); a script must call it under ``if __name__ == "__main__":``:
+
+    >>> from moelora_lab.dist import run_local
+    >>> run_local(divmod, 2)                                       # doctest: +SKIP
+    [(0, 0), (0, 1)]
+    >>> run_local(divmod, 0)
+    Traceback (most recent call last):
+    ...
+    ValueError: world_size: must be >= 1, got 0
     """
     check_int("world_size", world_size, low=1)
     check_choice("backend", backend, BACKENDS)
@@ -98,8 +135,9 @@ def run_local(fn, world_size: int, *args, backend: str = "gloo", timeout_s: floa
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(rank, world_size, port, backend, threads, fn, args, results),
                          daemon=True) for rank in range(world_size)]
-    for p in procs:
-        p.start()
+    with _child_environment(MOELORA_INTERPRET="1" if backend == "gloo" else None):
+        for p in procs:
+            p.start()
     out, failures = {}, []
     try:
         _collect(procs, results, out, failures, timeout_s)
@@ -108,6 +146,23 @@ def run_local(fn, world_size: int, *args, backend: str = "gloo", timeout_s: floa
     if failures:
         raise RuntimeError("run_local: a process failed\n" + "\n".join(failures))
     return [out[rank] for rank in range(world_size)]
+
+
+@contextlib.contextmanager
+def _child_environment(**changes):
+    """``os.environ`` with ``changes`` (None: unchanged) while the processes start (a spawned process
+    copies its parent's environment), then as it was."""
+    changes = {k: v for k, v in changes.items() if v is not None}
+    before = {k: os.environ.get(k) for k in changes}
+    os.environ.update(changes)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _collect(procs, results, out: dict, failures: list, timeout_s: float) -> None:

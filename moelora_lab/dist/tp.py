@@ -125,18 +125,60 @@ def tp_layer(x, topk_ids, topk_weights, token_lora, local: dict, *, fully_sharde
              lora_ranks=None, lora_path: str = "auto", validate: bool = True, tracer=None) -> torch.Tensor:
     """The MoE layer with LoRA under tensor parallelism: y [M, H], the same on every rank.
 
-    Every rank passes the same tokens and routing (as :func:`moelora_lab.moe_lora_layer`) and its
-    own ``local = shard_tp(weights, rank, W, fully_sharded=...)``; the layer runs one stream.
-    ``fully_sharded=True`` (a bool) forces the two-kernel LoRA path (the intermediate must travel);
-    ``lora_path`` applies otherwise. ``tracer`` records every stage, collectives on lane "comm".
+    Collective: every rank of ``group`` calls it with the same tokens; the layer runs one stream.
 
+    Parameters
+    ----------
+    x, topk_ids, topk_weights, token_lora : torch.Tensor
+        The same tokens and routing on every rank, as for :func:`moelora_lab.moe_lora_layer`.
+    local : dict
+        This rank's ``shard_tp(weights, rank, W, fully_sharded=...)``.
+    fully_sharded : bool
+        True: the LoRA is sharded too and the two-kernel path runs (the rank intermediate must travel);
+        False: A replicated, and ``lora_path`` applies.
+    group : torch.distributed.ProcessGroup, optional
+        Default: the world group.
+    lora_ranks, lora_path
+        As for :func:`moelora_lab.moe_lora_layer`.
+    validate : bool
+        False skips the id ranges only, for ids you have checked.
+    tracer : profile.timeline.Tracer, optional
+        Records every stage, collectives on lane "comm".
+
+    Returns
+    -------
+    torch.Tensor
+        y [M, H], the same on every rank.
+
+    Notes
+    -----
     Every rank checks all of its inputs before the first collective: x [M, H] in the local weights'
     dtype and device, the routing [M, k] and [M], the shards, ``lora_ranks``, ``lora_path``, the
     flags and (``validate=True``, one device read) the ids' ranges and ``lora_ranks`` in [0, r]. The
     ranks then agree (one all-gather of a few integers, :func:`agree.agree`): if any rank's inputs are
     wrong, or the ranks disagree on M, k, H, E, the dtype, the adapters or ``fully_sharded``, every
     rank raises the same ValueError or TypeError, naming the argument and the rank that holds it.
-    ``validate=False`` skips the id ranges only, for ids you have checked.
+
+    Examples
+    --------
+    Each rank holds a slice of the expert intermediate I (here 32 over 2 ranks):
+
+    >>> import moelora_lab as ml
+    >>> from moelora_lab.dist import shard_tp
+    >>> p = ml.make_problem("tiny", ml.LoRAShape(num_loras=2, rank=4), num_tokens=8, seed=0)
+    >>> weights = {k: v for k, v in p.layer_inputs().items() if k.startswith(("w13", "w2"))}
+    >>> local = shard_tp(weights, 0, 2, fully_sharded=True)
+    >>> tuple(local["w13"].shape), tuple(local["w2"].shape)       # [E, 2 I_w, H], [E, H, I_w]
+    ((8, 32, 64), (8, 64, 16))
+
+    Every rank then calls ``tp_layer(x, topk_ids, topk_weights, token_lora, local, fully_sharded=True)``;
+    ``moelora_lab.dist.checks.tp_case`` does so in two gloo processes on the CPU (several seconds):
+
+    >>> from moelora_lab.dist import run_local
+    >>> from moelora_lab.dist.checks import default_case, tp_case
+    >>> out = run_local(tp_case, 2, default_case(fully_sharded=True))     # doctest: +SKIP
+    >>> [o["ranks_agree"] for o in out]                                   # doctest: +SKIP
+    [True, True]
     """
     group = group if group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
@@ -157,7 +199,7 @@ def tp_layer(x, topk_ids, topk_weights, token_lora, local: dict, *, fully_sharde
         # flattened (a copy where needed) into ``weights``, and topk_ids is read through reshape(-1).
         token_lora = token_lora.to(torch.int32).contiguous()
         # planned as for one stream (the op's path rule): the shard's kernels run on the current stream
-        plan = plan_layer(topk_ids, token_lora, E, L, r, hidden=H, intermediate=I_w, lora_path=path,
+        plan = plan_layer(topk_ids, token_lora, E, L, r, intermediate=I_w, lora_path=path,
                           schedule=AUTO_CPU, validate=False, lora_ranks=lora_ranks)
         ranks = None if lora_ranks is None else lora_ranks.to(device=x.device, dtype=torch.int32).contiguous()
         weights = topk_weights.reshape(-1).float().contiguous()

@@ -37,7 +37,8 @@ def table() -> str:
     return "\n".join(rows)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``python -m moelora_lab.exercises`` (runs on a CPU)."""
     p = argparse.ArgumentParser(prog="python -m moelora_lab.exercises", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="what", required=True)
     sub.add_parser("list", help="one line per exercise: id, notebook, kind, title")
@@ -46,7 +47,11 @@ def main(argv=None) -> int:
     c.add_argument("--stubs", action="store_true", help="check the stubs instead: every one must be rejected")
     c.add_argument("--solutions", type=Path, default=None, help=f"solutions folder (default {solutions_dir()})")
     c.add_argument("--only", nargs="+", default=None, metavar="ID", help="only these exercises")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     if args.what == "list":
         for ex in EXERCISES.values():
             print(f"{ex.id:24s} {ex.notebook:28s} {ex.kind:8s} {ex.title}")

@@ -8,7 +8,7 @@ epilogue expands: four launches, no LoRA buffer at all, but every N tile recompu
 ``epilogue``: each op's shrink runs once per pair (the two-kernel path's ``shrink_kernel``) into
 T [S, P, r], the only LoRA bytes in HBM, and the GEMM expands it before its K loop (the schedule is named
 for where the expand first ran, after the loop, 7-12% slower): one dot of K = L*r per
-output tile, no delta written or read back, no join. Both need L*r <= ``moe.MAX_FUSED_COLUMNS``.
+output tile, no delta written or read back, no join. Both need L*r <= ``rules.MAX_FUSED_COLUMNS``.
 Both launch the grouped GEMM with the LoRA inside it (``moe_gemm_lora``, ``kernels/in_gemm``).
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ def moe_gemm_lora(x: torch.Tensor, w: torch.Tensor, blocks: BlockList, out: torc
                   top_k: int, topk_weights: torch.Tensor | None = None, tiles: dict | None = None) -> torch.Tensor:
     """out[p] = (w_p *) (W[e_p] @ x_row(p) + B[l, e_p] @ A[l, e_p] @ x_row(p)) for every pair, over
     expert-sorted ``blocks``, the LoRA term only for pairs whose token has an adapter l (``kernels/in_gemm``).
-    Arguments and ``tiles`` as for ``base_moe.moe_gemm`` (no x tail); needs L*r <= ``MAX_FUSED_COLUMNS``."""
+    Arguments and ``tiles`` as for ``base_moe.moe_gemm`` (no x tail); needs L*r <= ``rules.MAX_FUSED_COLUMNS``."""
     E, N, K = w.shape
     P = out.shape[0]
     tiles, half = block_tiles(tiles or gemm_tiles(P, E), blocks)

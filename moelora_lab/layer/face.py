@@ -90,6 +90,20 @@ def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=No
     -------
     torch.Tensor
         y [M, H] in x's dtype.
+
+    Examples
+    --------
+    >>> import torch
+    >>> import moelora_lab as ml
+    >>> p = ml.make_problem("tiny", ml.LoRAShape(num_loras=2, rank=4), num_tokens=8, seed=0)
+    >>> y = ml.moe_lora_layer(**p.layer_inputs())          # schedule="auto": "sequential" on the CPU
+    >>> tuple(y.shape)                                      # [M, H]
+    (8, 64)
+    >>> torch.allclose(y, ml.moe_layer_reference(**p.layer_inputs()), rtol=1e-4, atol=1e-4)
+    True
+    >>> plan = ml.plan_layer(p.topk_ids, p.token_lora, p.shape.num_experts, 2, 4)   # routing metadata, once
+    >>> torch.equal(ml.moe_lora_layer(**p.layer_inputs(), plan=plan), y)
+    True
     """
     M, k, E, H, I, L, r = check_layer_inputs(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a, w13_lora_b,
                                              w2_lora_a, w2_lora_b)
@@ -129,7 +143,7 @@ def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=No
         _check_plan_fits(plan, row, schedule, lora_path)
     with on_device(x):
         if plan is None:
-            plan = plan_layer(topk_ids, token_lora, E, L, r, hidden=H, intermediate=I, lora_path=lora_path,
+            plan = plan_layer(topk_ids, token_lora, E, L, r, intermediate=I, lora_path=lora_path,
                               schedule=run, validate=False, lora_ranks=lora_ranks)
         if lora_ranks is not None:
             lora_ranks = lora_ranks.to(device=x.device, dtype=torch.int32).contiguous()

@@ -53,7 +53,7 @@ def _prepare(x, topk_ids, topk_weights, token_lora, weights, plan, lora_ranks, v
                          "MOELORA_INTERPRET=1 before importing moelora_lab to run them on the CPU")
     if M and plan is None:
         with on_device(x):
-            plan = plan_layer(topk_ids, token_lora, E, L, r, hidden=H, intermediate=I, schedule=AUTO_CPU,
+            plan = plan_layer(topk_ids, token_lora, E, L, r, intermediate=I, schedule=AUTO_CPU,
                               validate=False, lora_ranks=lora_ranks)
     if lora_ranks is not None:
         lora_ranks = lora_ranks.to(device=x.device, dtype=torch.int32).contiguous()

@@ -11,9 +11,6 @@ from ..op.dispatch import choose_config
 from ..kernels.in_k import shrink_tail_kernel
 from ..op.paths import _precision
 
-# The rule this module applies, also readable and settable under its old name here (``in_k_launch.FILL_ROWS``).
-rules.expose(__name__, ("FILL_ROWS",))
-
 
 def shrink_parts(src, lora_a, plan, token_lora, top_k: int, tail, n_out: int, r: int, lora_ranks, *,
                  token_rows: bool, one_read: bool):

@@ -86,17 +86,43 @@ def _version(t: torch.Tensor):
 
 
 def pack_in_k(w13: torch.Tensor, w2: torch.Tensor, w13_lora_b, w2_lora_b) -> InKWeights:
-    """Pack the layer once for the LoRA in K: ``w13_ext`` and ``w2_ext`` as :func:`pack_w13_in_k` and
-    :func:`pack_w2_in_k` build them, and ``w13`` / ``w2`` as views of them (drop your own copies of the
-    base weights). Pack again when an adapter slot changes: the layer refuses a stale pack.
+    """Pack the layer once for the LoRA in K (``moe_lora_layer(schedule="in_k", in_k=...)``).
 
+    Parameters
+    ----------
+    w13, w2 : torch.Tensor
+        The base weights, w13 [E, 2I, H] and w2 [E, H, I].
+    w13_lora_b, w2_lora_b : list of torch.Tensor
+        The LoRA B slices the layer will get: 2 x [L, E, I, r] and 1 x [L, E, H, r].
+
+    Returns
+    -------
+    InKWeights
+        ``w13_ext`` and ``w2_ext`` as :func:`pack_w13_in_k` and :func:`pack_w2_in_k` build them, and
+        ``w13`` / ``w2`` as views of them: pass those to the layer (and drop your own copies of the base
+        weights). Pack again when an adapter slot changes: the layer refuses a stale pack.
+
+    Notes
+    -----
     The packed K multiplies every pair's zero columns (another slot's, past its slot's rank) by those
     slots' B, so NaN and inf in B (a slot allocated but not loaded yet, B past a slot's rank) are packed
     as zeros: they never reach a row, as on every other schedule. The one difference: a token whose own
     adapter holds NaN inside its rank gets NaN from the other schedules and a delta without those
     values from ``in_k``. (Dropping the unused columns inside the GEMMs instead kept B as it is, but the
     select took the W tile off the bulk-copy to tensor-core path: 1.12-1.67x each GEMM's time at M = 2048
-    and 8192, r 16 and 64, on an H100: data/history/tail_mask_b69769dfe1.csv.)"""
+    and 8192, r 16 and 64, on an H100: data/history/tail_mask_b69769dfe1.csv.)
+
+    Examples
+    --------
+    >>> import torch
+    >>> import moelora_lab as ml
+    >>> p = ml.make_problem("tiny", ml.LoRAShape(num_loras=2, rank=4), num_tokens=8, seed=0)
+    >>> pack = ml.pack_in_k(p.w13, p.w2, p.w13_lora_b, p.w2_lora_b)
+    >>> inputs = p.layer_inputs() | dict(w13=pack.w13, w2=pack.w2)      # the views the pack holds
+    >>> y = ml.moe_lora_layer(**inputs, schedule="in_k", in_k=pack)
+    >>> torch.allclose(y, ml.moe_layer_reference(**p.layer_inputs()), rtol=1e-4, atol=1e-4)
+    True
+    """
     w13_ext, w2_ext = pack_w13_in_k(w13, w13_lora_b), pack_w2_in_k(w2, w2_lora_b)
     bs = (*w13_lora_b, *w2_lora_b)
     return InKWeights(w13_ext[:, :, :w13.shape[2]], w2_ext[:, :, :w2.shape[2]], w13_ext, w2_ext, bs,

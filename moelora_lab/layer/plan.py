@@ -10,11 +10,12 @@ import warnings
 
 import torch
 
+from .. import rules
 from .._backend import INTERPRET, on_device
 from ..routing.device import make_block_lists
 from ..blocks import LayerPlan, RoutingStamp
 from ..op.dispatch import choice_rank, choose_config
-from ..base_moe import MAX_FUSED_COLUMNS, fused_columns, gemm_tiles
+from ..base_moe import fused_columns, gemm_tiles
 from ..op.paths import KERNEL_CHOICES, get_path, resolve_path
 from ..validate import ANY_SLOT, check_bool, check_choice, check_int, check_lora_ranks, check_routing
 from .table import AUTO, AUTO_CPU, AUTO_GPU, AUTO_LARGE, choices, get_schedule
@@ -27,7 +28,7 @@ def ignored_argument(schedule: str, join: str, lora_path: str) -> str | None:
 
 def fused_fits(num_loras: int, rank: int) -> bool:
     """Whether the in-GEMM LoRA can run: the stacked shrink of all adapters fits in registers."""
-    return fused_columns(num_loras, rank) <= MAX_FUSED_COLUMNS
+    return fused_columns(num_loras, rank) <= rules.MAX_FUSED_COLUMNS
 
 
 def _check_width(schedule: str, num_loras: int | None, rank: int | None) -> None:
@@ -100,22 +101,61 @@ def gpu_schedule(num_pairs: int, num_experts: int, *, in_k_columns: int | None =
 
 
 def plan_layer(topk_ids, token_lora, num_experts: int, num_loras: int | None, rank: int | None, *,
-               hidden: int | None = None, intermediate: int | None = None, lora_path: str = "auto",
+               intermediate: int | None = None, lora_path: str = "auto",
                schedule: str = "auto", validate: bool = True, lora_ranks: torch.Tensor | None = None) -> LayerPlan:
     """Build the routing metadata, the GEMM tiles and the LoRA path of :func:`moe_lora_layer` once.
 
-    ``num_loras=None`` plans a layer without LoRA; otherwise ``rank`` is the LoRA rank r of the
-    weights the plan will serve. Reuse a plan across calls with the same routing tensors (w13 and
-    w2, benchmarks, CUDA graphs that capture only the layer's kernels): the layer checks, without a
-    device synchronisation, that it gets the tensors the plan was made from, unchanged, and that the
-    plan holds what its schedule reads. ``validate=False`` skips the id-range checks (one
-    synchronisation) for routing already checked; the layer then checks the ids itself unless it is
-    told ``validate=False`` too. The plan is made for ``schedule`` (``"auto"``: what it runs on this
-    device without an ``in_k`` pack): a schedule whose LoRA is inside the GEMMs gets no LoRA blocks, one
-    with a fixed LoRA path gets that path, two streams pick the path by the side stream's rule
-    (``dispatch.choose_side_path``), any other by the op's. ``intermediate`` (I) lets the rule see the
-    width of w13's LoRA output; ``hidden`` is accepted for symmetry and unused. ``lora_ranks`` ([L]
-    per-slot ranks, on the CPU) lets ``lora_path="auto"`` pick by the largest real rank instead of r.
+    Reuse a plan across calls with the same routing tensors (w13 and w2, benchmarks, CUDA graphs that
+    capture only the layer's kernels): the layer checks, without a device synchronisation, that it gets
+    the tensors the plan was made from, unchanged, and that the plan holds what its schedule reads.
+
+    Parameters
+    ----------
+    topk_ids : torch.Tensor
+        [M, k] int32/int64 expert of each (token, slot) pair, in [0, E).
+    token_lora : torch.Tensor
+        [M] int32/int64 adapter slot of each token in [0, L), -1 = no adapter.
+    num_experts : int
+        E.
+    num_loras, rank : int or None
+        L and the LoRA rank r of the weights the plan will serve; ``None, None`` plans a layer without LoRA.
+    intermediate : int, optional
+        I: lets the path rule see the width of w13's LoRA output.
+    lora_path : str
+        'auto' or a Triton path of ``moelora_lab.PATHS`` for the separate LoRA kernels.
+    schedule : str
+        The schedule the plan is made for (``"auto"``: what it runs on this device without an ``in_k``
+        pack): a schedule whose LoRA is inside the GEMMs gets no LoRA blocks, one with a fixed LoRA path
+        gets that path, two streams pick the path by the side stream's rule (``dispatch.choose_side_path``),
+        any other by the op's.
+    validate : bool
+        False skips the id-range checks (one synchronisation) for routing already checked; the layer
+        then checks the ids itself unless it is told ``validate=False`` too.
+    lora_ranks : torch.Tensor, optional
+        [L] per-slot ranks, on the CPU: lets ``lora_path="auto"`` pick by the largest real rank instead of r.
+
+    Returns
+    -------
+    LayerPlan
+        The base blocks, the LoRA blocks (None where the schedule needs none), the LoRA path, the tiles
+        and the schedule, stamped with the routing they were made for.
+
+    Examples
+    --------
+    >>> import moelora_lab as ml
+    >>> p = ml.make_problem("tiny", ml.LoRAShape(num_loras=2, rank=4), num_tokens=8, seed=0)
+    >>> E = p.shape.num_experts
+    >>> plan = ml.plan_layer(p.topk_ids, p.token_lora, E, 2, 4)
+    >>> plan.schedule, plan.lora_path in ml.PATHS               # "sequential": what auto runs on the CPU
+    ('sequential', True)
+    >>> y = ml.moe_lora_layer(**p.layer_inputs(), plan=plan)     # no routing work inside the call
+    >>> plain = ml.plan_layer(p.topk_ids, p.token_lora, E, None, None)     # a plan without LoRA
+    >>> plain.lora_blocks is None
+    True
+    >>> ml.moe_lora_layer(**p.layer_inputs(), plan=plain)       # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: plan: made for a layer without LoRA, but this call is with 2 adapters of rank 4; ...
     """
     E = check_int("num_experts", num_experts, low=1)
     check_bool("validate", validate)

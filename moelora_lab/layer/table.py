@@ -23,7 +23,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from ..base_moe import MAX_FUSED_COLUMNS, fused_columns
+from .. import rules
+from ..base_moe import fused_columns
 
 STATUSES = ("product", "baseline", "experiment")
 JOINS = ("fold", "vllm")                 # the joins of separate LoRA kernels' deltas (see ``face``)
@@ -90,7 +91,8 @@ class Schedule:
     plan_path: str | None = None    # the LoRA path its plan always takes (None: the op's rule)
     gemm_lora_tiles: bool = False   # its base GEMMs carry the LoRA: the plan takes the GEMM's LoRA tiles
     needs_pack: bool = False        # needs the weights packed by ``pack_in_k`` (``in_k=``)
-    max_columns: int | None = None  # the most L*r it can run (None: any)
+    max_columns: int | str | None = None  # the most L*r it can run, or the name of the rule in ``rules`` that
+                                          # holds it (read at each call: ``column_limit``); None: any
     cpu_runs: str | None = None     # the row that runs in its place where CUDA streams do not (with a warning)
     style: dict | None = None       # how plots draw it: color, marker, label
 
@@ -99,6 +101,10 @@ class Schedule:
             raise ValueError(f"Schedule {self.name!r}: status must be one of {STATUSES}, got {self.status!r}")
         if self.name == AUTO or not self.name.isidentifier():
             raise ValueError(f"Schedule: {self.name!r} cannot name a schedule (an identifier other than 'auto')")
+        limit = self.max_columns
+        if isinstance(limit, str) and not (limit.isupper() and hasattr(rules, limit)):
+            raise ValueError(f"Schedule {self.name!r}: max_columns={limit!r} names no rule of "
+                             "moelora_lab.rules; pass an int or the name of a rule")
 
     @property
     def run(self) -> Callable:
@@ -107,6 +113,11 @@ class Schedule:
             return self.runner
         module, function = self.runner.split(":")
         return getattr(importlib.import_module(module), function)
+
+    @property
+    def column_limit(self) -> int | None:
+        """The most L*r it can run now (None: any): ``max_columns``, read from ``rules`` where it names a rule."""
+        return getattr(rules, self.max_columns) if isinstance(self.max_columns, str) else self.max_columns
 
     @property
     def stage_names(self) -> tuple:
@@ -130,11 +141,10 @@ class Schedule:
 
     def too_wide(self, num_loras: int, rank: int) -> str | None:
         """Why L adapters of rank r exceed this schedule's limit, or None."""
-        if self.max_columns is None:
+        limit = self.column_limit
+        if limit is None or fused_columns(num_loras, rank) <= limit:
             return None
-        if fused_columns(num_loras, rank) <= self.max_columns:
-            return None
-        return (f"schedule={self.name!r}: its LoRA needs L*r <= {self.max_columns} (padded to a power of two, at "
+        return (f"schedule={self.name!r}: its LoRA needs L*r <= {limit} (padded to a power of two, at "
                 f"least 16), got L={num_loras}, r={rank}; use schedule='dual_stream' or 'sequential' for more or "
                 "wider adapters")
 
@@ -165,14 +175,15 @@ SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
     Schedule("fused", "moelora_lab.experiments.in_gemm:run_fused", "experiment", 1,
              (("w13+lora", "main"), ("act", "main"), ("w2+lora", "main"), ("sum", "main")),
              "the LoRA inside the base grouped GEMMs (every N tile recomputes the shrink)",
-             lora_inside="the grouped GEMMs", lora_blocks=False, gemm_lora_tiles=True, max_columns=MAX_FUSED_COLUMNS,
+             lora_inside="the grouped GEMMs", lora_blocks=False, gemm_lora_tiles=True,
+             max_columns="MAX_FUSED_COLUMNS",
              style=dict(color="#ff7f0e", marker="D", label="LoRA inside the base GEMMs")),
     Schedule("epilogue", "moelora_lab.experiments.in_gemm:run_epilogue", "experiment", 1,
              (("shrink_w13", "main"), ("w13+lora", "main"), ("act", "main"), ("shrink_w2", "main"),
               ("w2+lora", "main"), ("sum", "main")),
              "one shrink per pair into T, the expand inside the base GEMMs",
              lora_paths=("two_kernel",), lora_inside="the grouped GEMMs (after one shrink per pair)",
-             plan_path="two_kernel", max_columns=MAX_FUSED_COLUMNS,
+             plan_path="two_kernel", max_columns="MAX_FUSED_COLUMNS",
              style=dict(color="#8c564b", marker="v", label="shrink once, expand in the GEMM epilogue")),
     Schedule("in_join", "moelora_lab.experiments.in_join:run", "experiment", 2,
              (("base_w13", "main"), ("shrink_w13", "lora"), ("act+lora", "main"), ("base_w2", "main"),

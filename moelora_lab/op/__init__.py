@@ -4,9 +4,9 @@
     paths.py     PATHS: one row per way of computing the op, with its launcher (kernels in ``kernels/``)
     dispatch.py  which path ``auto`` runs and the tiles of each launch (the measured values in ``rules``)
 """
-from .dispatch import CONFIGS, KernelConfig, choose_config, choose_path, choose_side_path
+from .dispatch import KernelConfig, choose_config, choose_path, choose_side_path
 from .face import moe_lora, pack_lora_b, run_lora
 from .paths import PATHS, LoRACall, get_path, resolve_path
 
-__all__ = ["CONFIGS", "KernelConfig", "choose_config", "choose_path", "choose_side_path", "moe_lora", "pack_lora_b",
+__all__ = ["KernelConfig", "choose_config", "choose_path", "choose_side_path", "moe_lora", "pack_lora_b",
            "run_lora", "PATHS", "LoRACall", "get_path", "resolve_path"]

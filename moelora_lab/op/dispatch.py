@@ -11,15 +11,6 @@ from .. import rules
 from .._backend import INTERPRET
 from ..tiles import KernelConfig, next_pow2  # noqa: F401  (their home before tiles.py)
 
-# The rules this module applies, also readable and settable under their old names here (``dispatch.X``).
-_RULES = ("CONFIGS", "ONE_SHOT_MAX_RANK", "ONE_TILE_MAX_RANK", "TWO_KERNEL_MIN_PAIRS", "ONE_TILE_TWO_KERNEL_MAX_PAIRS",
-          "TWO_KERNEL_MAX_PAIRS", "WIDE_MAX_PAIRS", "VERY_WIDE_COLUMNS", "ONE_TILE_WIDE_MIN_PAIRS", "DECODE_PAIRS",
-          "DECODE_BLOCK_K", "PROGRAMS_PER_SM", "WIDE_RANK_PROGRAMS_PER_SM", "NARROW_RANK", "MID_RANK",
-          "MAX_EXPAND_COLUMNS", "TWO_KERNEL_NARROW_BLOCK_M", "TWO_KERNEL_NARROW_RANK", "SIDE_TWO_KERNEL_MIN_PAIRS",
-          "SIDE_TWO_KERNEL_MAX_PAIRS", "SIDE_WIDE_RANK", "SIDE_WIDE_RANK_MIN_PAIRS", "SIDE_WIDE_RANK_MAX_PAIRS",
-          "SIDE_FEW_PAIRS", "SIDE_PROGRAMS")
-rules.expose(__name__, _RULES)
-
 
 def num_sms(device: torch.device) -> int:
     if device.type == "cuda":

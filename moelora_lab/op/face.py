@@ -30,12 +30,32 @@ def pack_lora_b(lora_b):
     lora_b : torch.Tensor or list of torch.Tensor
         B [L, E, N, r] of one slice, or a list/tuple of slices (each packed).
 
+    Returns
+    -------
+    torch.Tensor or list of torch.Tensor
+        The same values with stride 1 along N (dim 2), in a list or tuple where ``lora_b`` is one.
+
+    Notes
+    -----
     The expand multiplies the rank tile by a [r, BLOCK_N] tile of B. In the usual layout (r fastest)
     that tile is BLOCK_N runs of r elements (32 bytes at r = 16, bf16); with N fastest it is r runs of
     BLOCK_N elements. Both are whole DRAM sectors, and since the kernels build their rank offsets as
     one contiguous run the two layouts run at about the same speed (``bench expand``); before that the
     rank-fastest tile was loaded 2 bytes at a time and packing paid. Every path and the layer accept
     either layout (the kernels take strides).
+
+    Examples
+    --------
+    >>> import torch
+    >>> import moelora_lab as ml
+    >>> p = ml.make_problem("tiny", ml.LoRAShape(num_loras=2, rank=4), num_tokens=8, seed=0)
+    >>> b = p.w13_lora_b[0]                                   # [L, E, N, r] = [2, 8, 32, 4], r fastest
+    >>> packed = ml.pack_lora_b(b)
+    >>> packed.shape == b.shape, torch.equal(packed, b), b.stride(3), packed.stride(2)
+    (True, True, 1, 1)
+    >>> delta = ml.moe_lora(**(p.w13_lora_inputs() | dict(lora_b=ml.pack_lora_b(p.w13_lora_b))))
+    >>> torch.allclose(delta, ml.moe_lora(**p.w13_lora_inputs()), rtol=1e-5, atol=1e-5)
+    True
     """
     if isinstance(lora_b, (list, tuple)):
         return type(lora_b)(pack_lora_b(b) for b in lora_b)
@@ -95,13 +115,27 @@ def moe_lora(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, *, path: str
     -------
     torch.Tensor
         ``output``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> import moelora_lab as ml
+    >>> p = ml.make_problem("tiny", ml.LoRAShape(num_loras=2, rank=4), num_tokens=8, seed=0)
+    >>> delta = ml.moe_lora(**p.w13_lora_inputs())          # w13's two slices (gate, up), path="auto"
+    >>> tuple(delta.shape)                                   # [M, k, 2*I]
+    (8, 2, 64)
+    >>> torch.allclose(delta, ml.moe_lora_reference(**p.w13_lora_inputs()), rtol=1e-4, atol=1e-4)
+    True
+    >>> # x one feature short: the error names the argument and says what it expects
+    >>> ml.moe_lora(**(p.w13_lora_inputs() | dict(x=p.x[:, :-1])))   # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: lora_a[0]: expects K=64 input features (dim 3) but x has 63 features (dim 1); ...
     """
     check_bool("add_inputs", add_inputs)
     check_bool("validate", validate)
     M, k, L, E, R, K, N, S = check_op_inputs(x, topk_ids, topk_weights, token_lora, lora_a, lora_b,
-                                             mul_routed_weight=mul_routed_weight, values=False)
-    if lora_a[0].dtype != x.dtype:
-        raise TypeError(f"lora_a[0]: dtype {lora_a[0].dtype} must equal x's dtype {x.dtype}; cast the weights once")
+                                             mul_routed_weight=mul_routed_weight, values=False, same_dtype=True)
     if config is not None and not isinstance(config, KernelConfig):
         raise TypeError(f"config: expected a KernelConfig, got {type(config).__name__}")
     check_enabled(enabled, L)

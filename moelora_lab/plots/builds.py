@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from matplotlib.patches import Patch
 
-from ..op.dispatch import CONFIGS, one_shot_build_rule
+from .. import rules
+from ..op.dispatch import one_shot_build_rule
 from .design import FINGERPRINT_SMS, sweep_rule_config
 
 FONT = 9
@@ -24,7 +25,7 @@ BUILD_STYLE = {     # variant: (colour, label); "before" is the reference every 
 def rule_variant(rank: int) -> str:
     """The variant of ``bench expand`` that is the build the rule launches at rank ``rank``
     (``dispatch.one_shot_build_rule`` for the rule's rank tile; the sweep's ranks have one tile)."""
-    prefetch, stages = one_shot_build_rule(CONFIGS["prefill"].rank_tiling(rank)[0])
+    prefetch, stages = one_shot_build_rule(rules.CONFIGS["prefill"].rank_tiling(rank)[0])
     if stages is not None:
         raise ValueError(f"rank: {rank} takes the unpipelined expand, which `bench expand` times only "
                          "under its own name; pass a rank of at most 64")

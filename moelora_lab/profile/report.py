@@ -54,13 +54,13 @@ def one_shot_report(rank: int, *, block_m: int = 64, max_block_r: int = 128, hid
     if not torch.cuda.is_available() or INTERPRET:
         raise RuntimeError("one_shot_report needs a CUDA GPU (registers exist only for compiled kernels)")
     from ..config import LoRAShape, MoEShape, make_problem
-    from ..op.dispatch import CONFIGS
+    from .. import rules
     from ..op.paths import LoRACall, launch_one_shot
     from ..routing.host import block_list
 
     p = make_problem(MoEShape(hidden, inter, 8, 2, "report"), LoRAShape(1, rank), 64, dtype=dtype,
                      device="cuda", with_base=False, adapter_popularity="identical")
-    cfg = CONFIGS["prefill"].replace(block_m=block_m, max_block_r=max_block_r)
+    cfg = rules.CONFIGS["prefill"].replace(block_m=block_m, max_block_r=max_block_r)
     blocks = block_list(p.topk_ids, p.token_lora, 8, 1, block_m)
     out = torch.zeros(64, 2, 2 * inter, dtype=dtype, device="cuda")
     call = LoRACall(p.x, p.topk_ids, p.topk_weights, p.token_lora, p.w13_lora_a, p.w13_lora_b, out, blocks, None,

@@ -175,13 +175,19 @@ def export_trace_files(traces: dict, out_dir, *, combined: bool = False, stem: s
     return [save_trace_events(out / f"{case}.trace.json", {case: t}, sms=sms) for case, t in cases.items()]
 
 
-def main(argv=None) -> list[Path]:
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``python -m moelora_lab.profile.trace_events`` (runs on a CPU)."""
     p = argparse.ArgumentParser(prog="python -m moelora_lab.profile.trace_events", description="Write layer "
                                 "timelines as Chrome trace-event JSON for Perfetto or chrome://tracing.")
     p.add_argument("traces", type=Path, help="layer timelines, e.g. moelora_lab/data/h200/layer_traces.json")
     p.add_argument("out_dir", type=Path, help="folder for the trace files (created if missing)")
     p.add_argument("--combined", action="store_true", help="one file, <traces stem>.trace.json, every case a process")
     p.add_argument("--sms", type=int, default=H200_SMS, help="SMs for the LoRA tile rule (default %(default)s: H200)")
+    return p
+
+
+def main(argv=None) -> list[Path]:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.sms < 1:
         p.error(f"--sms: expected a positive SM count, got {args.sms}")

@@ -260,7 +260,7 @@ def layer_traffic(
     lora_w2   lora_op_traffic(K=I, N=H, S=1, x_rows "pair", add_inputs False): writes d2.
     sum       y = sum over k of c3 + d2: read c3 M*k*H*b and d2 P_r*H*b, write M*H*b;
               FLOPs M*(k-1)*H + P_a*H. P_r, the delta rows the joins read: P_a, or every pair's row
-              up to ``moe.SUM_TILE_MAX_PAIRS`` pairs (there the joins load a row before they know its
+              up to ``rules.SUM_TILE_MAX_PAIRS`` pairs (there the joins load a row before they know its
               token's adapter, one round trip instead of two: ``moe.rows_as_tile``).
     total     sum of the stages above.
     floor     fully fused: x read once, every touched base weight (T_e*3*I*H*b) and touched

@@ -23,10 +23,6 @@ from ..kernels.align import count_kernel, place_kernel, recount_kernel, scan_ker
 from .host import block_tensors, max_blocks
 from ..validate import check_int, check_routing
 
-# The rules of the construction, also readable and settable under their old names here (``align.X``).
-rules.expose(__name__, ("SORT_MAX_PAIRS", "RECOUNT_MAX_PAIRS", "RECOUNT_SUB", "HIST_PAIRS", "RECOUNT_WARPS", "SUB",
-                        "SCAN_TILE", "SCAN_GROUPS", "PDL", "TABLE_BLOCKS"))
-
 
 def block_list_device(topk_ids: torch.Tensor, token_lora: torch.Tensor, num_experts: int, num_loras: int,
                       block_size: int, *, validate: bool = True) -> BlockList:

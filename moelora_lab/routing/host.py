@@ -27,14 +27,45 @@ SPARSITY_FACTOR = 8  # naive assignment when pairs * 8 <= E * L (vLLM's rule)
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool = True, *, cast_weights: bool = False):
-    """Softmax over experts in fp32, keep the top-k, optionally divide them by their sum; returns
-    (topk_weights [M, k], topk_ids [M, k] int32).
+    """Softmax over experts in fp32, keep the top-k, optionally divide them by their sum.
 
-    The weights stay fp32, as vLLM keeps them; ``cast_weights=True`` casts them to the logits' dtype
-    after the renormalization, as transformers' Qwen3-MoE router does (with ``renormalize`` =
-    the config's ``norm_topk_prob``, False by default there, True in the released Qwen3-MoE models):
-    the weights and ids are then exactly HF's. In bf16 the cast rounds each weight to 8 bits of
-    mantissa, so the two conventions differ by up to about 0.4% per weight."""
+    Parameters
+    ----------
+    router_logits : torch.Tensor
+        [M, E] router output, float32, float16 or bfloat16.
+    top_k : int
+        k, the experts each token goes to (1 <= k <= E).
+    renormalize : bool
+        Divide each token's k weights by their sum (they then add up to 1).
+    cast_weights : bool
+        False: the weights stay fp32, as vLLM keeps them. True: cast them to the logits' dtype after
+        the renormalization, as transformers' Qwen3-MoE router does (with ``renormalize`` = the
+        config's ``norm_topk_prob``, False by default there, True in the released Qwen3-MoE models):
+        the weights and ids are then exactly HF's. In bf16 the cast rounds each weight to 8 bits of
+        mantissa, so the two conventions differ by up to about 0.4% per weight.
+
+    Returns
+    -------
+    topk_weights : torch.Tensor
+        [M, k] routing weights, largest first (fp32, or the logits' dtype with ``cast_weights``).
+    topk_ids : torch.Tensor
+        [M, k] int32 expert ids, in the order of the weights.
+
+    Examples
+    --------
+    >>> import torch
+    >>> import moelora_lab as ml
+    >>> logits = torch.tensor([[2.0, 0.0, 1.0, -1.0], [0.0, 3.0, -1.0, 1.0]])   # M = 2 tokens, E = 4
+    >>> weights, ids = ml.route(logits, top_k=2)
+    >>> ids.tolist()
+    [[0, 2], [1, 3]]
+    >>> [round(w, 4) for w in weights[0].tolist()]      # e^2 / (e^2 + e^1), e^1 / (e^2 + e^1)
+    [0.7311, 0.2689]
+    >>> ml.route(logits, top_k=5)
+    Traceback (most recent call last):
+    ...
+    ValueError: top_k: must be <= 4, got 5
+    """
     check_tensor("router_logits", router_logits, ndim=2, legend="[M, E]",
                  dtypes=(torch.float32, torch.float16, torch.bfloat16))
     check_int("top_k", top_k, low=1, high=router_logits.shape[1])
@@ -168,8 +199,37 @@ def block_list(topk_ids: torch.Tensor, token_lora: torch.Tensor, num_experts: in
                block_size: int, *, validate: bool = True) -> BlockList:
     """Group pairs by (adapter, expert), pad each group to ``block_size`` and list the blocks.
 
-    The result remembers the routing it was built for (see :class:`BlockList`); ``validate=False``
-    skips the id-range checks (one device synchronisation) for ids checked already.
+    Parameters
+    ----------
+    topk_ids : torch.Tensor
+        [M, k] int32/int64 expert of each (token, slot) pair, in [0, E).
+    token_lora : torch.Tensor
+        [M] int32/int64 adapter slot of each token in [0, L); -1 = no adapter (its pairs get no block).
+    num_experts, num_loras : int
+        E and L.
+    block_size : int
+        Rows per block (the kernels' BLOCK_M).
+    validate : bool
+        False skips the id-range checks (one device synchronisation) for ids checked already.
+
+    Returns
+    -------
+    BlockList
+        ``sorted_pairs`` [B * block_size] (pair id t*k + j, M*k in padding), ``block_lora`` [B] and
+        ``block_expert`` [B] (-1 for unused blocks); it remembers the routing it was built for (see
+        :class:`BlockList`), so ``moe_lora(blocks=...)`` can reuse it for w13 and w2.
+
+    Examples
+    --------
+    >>> import torch
+    >>> import moelora_lab as ml
+    >>> ids = torch.tensor([[0, 1], [1, 0], [1, 2]], dtype=torch.int32)   # M = 3 tokens, top-2 of E = 3
+    >>> lora = torch.tensor([0, 0, 1], dtype=torch.int32)                  # the tokens' adapters, L = 2
+    >>> blocks = ml.block_list(ids, lora, num_experts=3, num_loras=2, block_size=4)
+    >>> blocks.block_lora.tolist(), blocks.block_expert.tolist()          # -1: an unused block
+    ([0, 0, 1, 1, -1, -1, -1], [0, 1, 1, 2, -1, -1, -1])
+    >>> blocks.sorted_pairs.view(-1, 4)[:4].tolist()                       # 6 = M*k marks padding
+    [[0, 3, 6, 6], [1, 2, 6, 6], [4, 6, 6, 6], [5, 6, 6, 6]]
     """
     check_bool("validate", validate)
     tensors = block_tensors(topk_ids, token_lora, num_experts, num_loras, block_size, validate=validate)

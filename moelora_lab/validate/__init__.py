@@ -101,8 +101,14 @@ def check_plan(plan, topk_ids, token_lora, num_experts: int, num_loras: int | No
 
 
 def check_lora_weights(lora_a, lora_b, num_experts: int | None = None, in_features: int | None = None, *,
-                       dtype: torch.dtype | None = None, names: tuple[str, str] = ("lora_a", "lora_b")):
-    """Validate S slices of A [L, E, r, K] and B [L, E, N, r]; returns (L, E, r, K, N, S)."""
+                       dtype: torch.dtype | None = None, x: torch.Tensor | None = None,
+                       inputs: str = "x has {} features (dim 1)", names: tuple[str, str] = ("lora_a", "lora_b")):
+    """Validate S slices of A [L, E, r, K] and B [L, E, N, r]; returns (L, E, r, K, N, S).
+
+    ``in_features`` is the K the weights must expect and ``inputs`` names whose width it is (formatted with
+    it); ``dtype`` is x's dtype, which every slice must have; ``x`` is the input whose device every slice
+    must share. Each error names the tensor that is wrong where the inputs say which one it is.
+    """
     na, nb = names
     for name, ws in ((na, lora_a), (nb, lora_b)):
         if isinstance(ws, torch.Tensor) or not isinstance(ws, Sequence) or len(ws) == 0:
@@ -111,6 +117,9 @@ def check_lora_weights(lora_a, lora_b, num_experts: int | None = None, in_featur
     if len(lora_a) != len(lora_b):
         raise ValueError(f"{na} and {nb}: got {len(lora_a)} and {len(lora_b)} slices; they must match")
     first = check_tensor(f"{na}[0]", lora_a[0], ndim=4, dtypes=FLOAT_DTYPES, legend="[L, E, r, K]")
+    if dtype is not None and first.dtype != dtype:
+        raise TypeError(f"{na}[0]: dtype {first.dtype} must equal x's dtype {dtype}; cast the weights once, "
+                        "when they are loaded")
     L, E, r, K = first.shape
     N = check_tensor(f"{nb}[0]", lora_b[0], ndim=4, dtypes=FLOAT_DTYPES, legend="[L, E, N, r]").shape[2]
     for s, (a, b) in enumerate(zip(lora_a, lora_b)):
@@ -127,21 +136,22 @@ def check_lora_weights(lora_a, lora_b, num_experts: int | None = None, in_featur
         check_tensor(f"{nb}[{s}]", b, shape=(L, E, N, r), legend="[L, E, N, r]")
         for name, w in ((f"{na}[{s}]", a), (f"{nb}[{s}]", b)):
             if w.dtype != first.dtype:
-                raise TypeError(f"{name}: dtype {w.dtype} differs from {na}[0]'s {first.dtype}; every slice of A "
+                whose = "x's" if dtype is not None else f"{na}[0]'s"
+                raise TypeError(f"{name}: dtype {w.dtype} differs from {whose} {first.dtype}; every slice of A "
                                 "and B must share one dtype")
-        check_same_device(**{f"{na}[0]": first, f"{na}[{s}]": a, f"{nb}[{s}]": b})
+        # x first: a weight on another device than the input is named, whichever of A and B it is
+        check_same_device(**({} if x is None else {"x": x}), **{f"{na}[0]": first, f"{na}[{s}]": a, f"{nb}[{s}]": b})
         for name, w, w0 in ((na, a, first), (nb, b, lora_b[0])):
             if w.stride() != w0.stride():     # the kernels read every slice with slice 0's strides
+                fix = (f"make them all contiguous, or pass all of {nb} through moelora_lab.pack_lora_b" if name == nb
+                       else "make them all contiguous")
                 raise ValueError(f"{name}: the slices have different memory layouts (strides {w0.stride()} and "
-                                 f"{w.stride()}); make them all contiguous, or pass all of {nb} through "
-                                 "moelora_lab.pack_lora_b")
+                                 f"{w.stride()} of slice {s}); {fix}")
     if num_experts is not None and E != num_experts:
         raise ValueError(f"{na}[0]: has {E} experts (dim 1) but the base layer has {num_experts}")
     if in_features is not None and K != in_features:
-        raise ValueError(f"{na}[0]: expects K={K} input features (dim 3) but its input has {in_features}")
-    if dtype is not None and first.dtype != dtype:
-        raise TypeError(f"{na}[0]: dtype {first.dtype} must equal x's dtype {dtype}; cast the weights once, "
-                        "when they are loaded")
+        raise ValueError(f"{na}[0]: expects K={K} input features (dim 3) but {inputs.format(in_features)}; "
+                         "A [L, E, r, K] multiplies those rows")
     return L, E, r, K, N, len(lora_a)
 
 
@@ -157,11 +167,13 @@ class OpDims(NamedTuple):
 
 
 def check_op_inputs(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, *, mul_routed_weight: bool = False,
-                    values: bool = True) -> OpDims:
-    """Validate the LoRA op's tensors (``values=False``: no id-range checks, no synchronisation)."""
+                    values: bool = True, same_dtype: bool = False) -> OpDims:
+    """Validate the LoRA op's tensors (``values=False``: no id-range checks, no synchronisation;
+    ``same_dtype``: the weights must be in x's dtype, as the kernels need)."""
     check_bool("mul_routed_weight", mul_routed_weight)
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES, legend="[M, K] token rows or [M*k, K] pair rows")
-    L, E, r, K, N, S = check_lora_weights(lora_a, lora_b, in_features=x.shape[1])
+    L, E, r, K, N, S = check_lora_weights(lora_a, lora_b, in_features=x.shape[1], dtype=x.dtype if same_dtype else None,
+                                          x=x)
     if mul_routed_weight and topk_weights is None:
         raise ValueError("topk_weights: required with mul_routed_weight=True (each pair's delta is scaled by its "
                          "routing weight); pass the [M, k] weights or set mul_routed_weight=False")
@@ -243,9 +255,10 @@ def check_layer_inputs(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_
     check_same_device(x=x, topk_ids=topk_ids)
     if not all(given):
         return LayerDims(M, k, E, H, I, None, None)
-    L, _, r, _, n13, s13 = check_lora_weights(w13_lora_a, w13_lora_b, E, H, dtype=x.dtype,
+    L, _, r, _, n13, s13 = check_lora_weights(w13_lora_a, w13_lora_b, E, H, dtype=x.dtype, x=x,
                                               names=("w13_lora_a", "w13_lora_b"))
-    L2, _, r2, _, n2, s2 = check_lora_weights(w2_lora_a, w2_lora_b, E, I, dtype=x.dtype,
+    L2, _, r2, _, n2, s2 = check_lora_weights(w2_lora_a, w2_lora_b, E, I, dtype=x.dtype, x=x,
+                                              inputs="the activation w2 reads has {} features (I, dim 2 of w2)",
                                               names=("w2_lora_a", "w2_lora_b"))
     if (s13, n13) != (2, I):
         raise ValueError(f"w13_lora_a, w13_lora_b: expected 2 slices (gate, up) of A [L, E, r, {H}] and B "

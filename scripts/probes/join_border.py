@@ -1,6 +1,6 @@
 """Probe: where the layer's joins should switch from their few-pairs form to the loop (``moe.rows_as_tile``).
 
-Up to ``moe.SUM_TILE_MAX_PAIRS`` pairs the top-k sum takes a token's k rows as one [k, BLOCK] tile and both
+Up to ``rules.SUM_TILE_MAX_PAIRS`` pairs the top-k sum takes a token's k rows as one [k, BLOCK] tile and both
 joins load a delta row before they know its adapter; beyond, the sum loops over the rows and the delta load
 waits for the adapter id. The border came from the layer at M = 128 (1024 pairs, the tile level with the
 loop) and M = 512 (4096 pairs, the tile slower). This probe times both forms of each join alone in between,
@@ -23,23 +23,23 @@ import sys
 
 import torch
 
-from moelora_lab import base_moe as moe
+from moelora_lab import base_moe as moe, rules
 from moelora_lab.bench.common import close, device, seeded_generator, sweep_routing
 from moelora_lab.config import MoEShape
 from moelora_lab.profile import timing
 from moelora_lab.results import write_csv
 
-FORMS = {"tile": 1 << 40, "loop": 0}        # moe.SUM_TILE_MAX_PAIRS that forces each form
+FORMS = {"tile": 1 << 40, "loop": 0}        # rules.SUM_TILE_MAX_PAIRS that forces each form
 
 
 def in_form(form: str, fn):
     """``fn`` run with the joins in ``form`` (the border is read at each launch, so also under graph capture)."""
     def run():
-        kept, moe.SUM_TILE_MAX_PAIRS = moe.SUM_TILE_MAX_PAIRS, FORMS[form]
+        kept, rules.SUM_TILE_MAX_PAIRS = rules.SUM_TILE_MAX_PAIRS, FORMS[form]
         try:
             return fn()
         finally:
-            moe.SUM_TILE_MAX_PAIRS = kept
+            rules.SUM_TILE_MAX_PAIRS = kept
     return run
 
 

@@ -67,7 +67,7 @@ def main(out: str, tokens: list[int], command: str) -> None:
     dev = torch.device(device())
     pdl = chained_launches(dev)
     shape = MoEShape.from_name("qwen3-30b-a3b")
-    E, H, I, L, rank = shape.num_experts, shape.hidden, shape.intermediate, 4, 16
+    E, I, L, rank = shape.num_experts, shape.intermediate, 4, 16
     buf = torch.zeros(8, dtype=torch.int32, device=dev)
     total = torch.zeros(1, dtype=torch.int64, device=dev)
     rows = []
@@ -79,7 +79,7 @@ def main(out: str, tokens: list[int], command: str) -> None:
                "launch_3_pdl": lambda: chain(buf, 3, pdl),
                "launch_3": lambda: chain(buf, 3, False),
                "read_ids": lambda: _read[(1,)](flat, total, flat.numel(), BLOCK=1024),
-               "plan": lambda: plan_layer(ids, tl_, E, L, rank, hidden=H, intermediate=I, schedule="dual_stream",
+               "plan": lambda: plan_layer(ids, tl_, E, L, rank, intermediate=I, schedule="dual_stream",
                                           validate=False)}
         chain(buf, 3, pdl)
         torch.cuda.synchronize()

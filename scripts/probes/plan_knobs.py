@@ -25,6 +25,7 @@ import sys
 
 import torch
 
+from moelora_lab import rules
 from moelora_lab.routing import device as align
 from moelora_lab.bench.common import device, sweep_routing
 from moelora_lab.config import MoEShape
@@ -32,24 +33,24 @@ from moelora_lab.layer import plan_layer
 from moelora_lab.profile import timing
 from moelora_lab.results import write_csv
 
-# variant -> (align attribute, value); functions are replaced by a constant
-KNOBS = {"chunk_16": ("chunk_pairs", 16), "chunk_64": ("chunk_pairs", 64),
-         "count_warps_2": ("count_warps", 2), "count_warps_8": ("count_warps", 8),
-         "scan_groups_8": ("SCAN_GROUPS", 8), "scan_groups_32": ("SCAN_GROUPS", 32),
-         "table_blocks_32": ("TABLE_BLOCKS", 32), "table_blocks_128": ("TABLE_BLOCKS", 128)}
+# variant -> (module, attribute, value): a function of the construction (replaced by a constant) or a rule
+KNOBS = {"chunk_16": (align, "chunk_pairs", 16), "chunk_64": (align, "chunk_pairs", 64),
+         "count_warps_2": (align, "count_warps", 2), "count_warps_8": (align, "count_warps", 8),
+         "scan_groups_8": (rules, "SCAN_GROUPS", 8), "scan_groups_32": (rules, "SCAN_GROUPS", 32),
+         "table_blocks_32": (rules, "TABLE_BLOCKS", 32), "table_blocks_128": (rules, "TABLE_BLOCKS", 128)}
 
 
-def _plan(ids, lora, E, L, rank, H, I, knob=None):
+def _plan(ids, lora, E, L, rank, I, knob=None):
     def build():
         if knob is None:
-            return plan_layer(ids, lora, E, L, rank, hidden=H, intermediate=I, schedule="dual_stream", validate=False)
-        name, value = knob
-        saved = getattr(align, name)
-        setattr(align, name, (lambda n: value) if callable(saved) else value)
+            return plan_layer(ids, lora, E, L, rank, intermediate=I, schedule="dual_stream", validate=False)
+        module, name, value = knob
+        saved = getattr(module, name)
+        setattr(module, name, (lambda n: value) if callable(saved) else value)
         try:
-            return plan_layer(ids, lora, E, L, rank, hidden=H, intermediate=I, schedule="dual_stream", validate=False)
+            return plan_layer(ids, lora, E, L, rank, intermediate=I, schedule="dual_stream", validate=False)
         finally:
-            setattr(align, name, saved)
+            setattr(module, name, saved)
     return build
 
 
@@ -74,12 +75,12 @@ def main(out: str, tokens: list[int], command: str) -> None:
     prov = timing.provenance(command)
     dev = torch.device(device())
     shape = MoEShape.from_name("qwen3-30b-a3b")
-    E, H, I, L, rank = shape.num_experts, shape.hidden, shape.intermediate, 4, 16
+    E, I, L, rank = shape.num_experts, shape.intermediate, 4, 16
     rows = []
     for M in tokens:
         ids, _, lora = sweep_routing(shape, L, M, 0)
-        fns = {"plan": _plan(ids, lora, E, L, rank, H, I)}
-        fns.update({name: _plan(ids, lora, E, L, rank, H, I, knob) for name, knob in KNOBS.items()})
+        fns = {"plan": _plan(ids, lora, E, L, rank, I)}
+        fns.update({name: _plan(ids, lora, E, L, rank, I, knob) for name, knob in KNOBS.items()})
         want = _lists(fns["plan"]())
         for name, fn in fns.items():
             if not all(torch.equal(a, b) for a, b in zip(_lists(fn()), want)):

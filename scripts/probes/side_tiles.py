@@ -74,8 +74,8 @@ def measure(preset: str, tokens: list[int], ranks: list[int], variants: dict, pr
         for M in tokens:
             ids, tw, tl = sweep_routing(shape, L, M, 0)
             x = torch.randn(M, H, device=device(), generator=gen, dtype=torch.bfloat16)
-            plan = plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I, schedule="dual_stream")
-            plans = {p: plan_layer(ids, tl, E, L, rank, hidden=H, intermediate=I, schedule="dual_stream", lora_path=p)
+            plan = plan_layer(ids, tl, E, L, rank, intermediate=I, schedule="dual_stream")
+            plans = {p: plan_layer(ids, tl, E, L, rank, intermediate=I, schedule="dual_stream", lora_path=p)
                      for p in ("one_shot", "two_kernel")}
             plain = plan_layer(ids, tl, E, None, None)
             base = (x, ids, tw, tl, w13, w2)
