@@ -63,9 +63,11 @@ def test_the_examples_run():
     if moelora_lab.INTERPRET:
         problems = run_examples()
     else:          # the kernels compile for the GPU here: run the CPU examples in an interpreted process
-        env = dict(os.environ, MOELORA_INTERPRET="1")
+        root = Path(__file__).resolve().parents[1]
+        env = dict(os.environ, MOELORA_INTERPRET="1",          # the checkout first, installed or not
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
         done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600,
-                              cwd=Path(__file__).resolve().parents[1])
+                              cwd=root)
         problems = [done.stdout + done.stderr] if done.returncode else []
     assert not problems, "\n".join(problems)
 

@@ -183,3 +183,16 @@ def test_label_of_a_file_that_joins_two_runs():
     assert results.label([row, dict(row, code="bbb"), row]).endswith("2026-12-04, code aaa + bbb")
     with pytest.raises(KeyError, match="provenance field"):
         results.label([row, {"gpu": "x"}])
+
+
+def test_the_house_move_left_the_layer_as_fast_as_before():
+    """``history/layer_house_44ce2cf.csv``: the layer before and after the schedule table, timed in one call."""
+    rows = load("layer_house_44ce2cf", results.HISTORY_DIR, accept_older_rules=True)
+    by = {}
+    for r in rows:
+        by.setdefault((r["rank"], r["M"], r["variant"]), {})[r["code"]] = r
+    assert len(by) == 32 and all(len(v) == 2 for v in by.values())
+    for key, pair in by.items():
+        before, after = pair["d42157a"], pair["44ce2cf"]
+        assert (before["schedule"], before["lora_path"]) == (after["schedule"], after["lora_path"]), key
+        assert float(after["us_median"]) <= 1.03 * float(before["us_median"]), key

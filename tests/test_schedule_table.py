@@ -137,6 +137,8 @@ def test_recorded_lora_path_keeps_the_data_values():
 
 
 def test_trace_export_and_timelines_read_the_streams():
+    pytest.importorskip("IPython")
+    pytest.importorskip("plotly")
     from moelora_lab.plots import timeline_interactive as ti
     from moelora_lab.profile.trace_events import ONE_STREAM
 
