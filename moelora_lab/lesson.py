@@ -126,10 +126,22 @@ def gpu_available() -> bool:
     return torch.cuda.is_available() and not INTERPRET
 
 
+FAKE_LIVE_ENV = "MOELORA_FAKE_LIVE"      # tests: LIVE on without a GPU, on a fake live data set (fake_live_rows)
+
+
+def _fake_live() -> bool:
+    return os.environ.get(FAKE_LIVE_ENV, "") not in ("", "0")
+
+
 def live_mode(requested: bool) -> bool:
     """The notebook's switch: live measurements only when asked for and a GPU can make them.
     Prints what the notebook's figures will show."""
     _LIVE["on"] = False
+    if requested and _fake_live():
+        _LIVE["on"] = True
+        print(f"LIVE on a fake live data set ({FAKE_LIVE_ENV} is set: the committed rows of each live "
+              "sweep's own cases, times perturbed per variant); a test of the live paths, not a measurement")
+        return True
     if requested and not gpu_available():
         print("LIVE = True, but there is no CUDA GPU here: showing the committed H200 data instead")
         return False
@@ -150,6 +162,8 @@ def data(name: str, *, live: bool = False, bench: tuple[str, ...] | list[str] = 
         return results.load(name, accept_older_rules=name in results.WALKS)
     if not bench:
         raise ValueError(f"bench: live data for {name!r} needs the benchmark's arguments, e.g. ['kernels', ...]")
+    if _fake_live():
+        return fake_live_rows(name, bench)
     with tempfile.TemporaryDirectory() as tmp:
         _run_benchmark(bench, out=tmp, name=name)
         if Path(tmp, f"{name}_traces.json").exists():
@@ -184,6 +198,46 @@ _PROGRESS_BAR = re.compile(r"\|\s*\d+/\d+ \[[^\]]*\]$")      # tqdm: "name: 50%|
 
 
 _LIVE_TRACES: dict[str, dict] = {}
+
+# the benchmark options that pick cases, and the column each fills
+_CASE_OPTIONS = {"--presets": "preset", "--tokens": "M", "--ranks": "rank", "--variants": "variant",
+                 "--paths": "path", "--ops": "op"}
+
+
+def _measured_time(column: str) -> bool:
+    return (column.startswith("us_") or column.endswith("_us")) and column not in ("floor_us", "roofline_us")
+
+
+def fake_live_rows(name: str, bench) -> list[dict]:
+    """What a live ``data(name, live=True, bench=bench)`` returns under ``MOELORA_FAKE_LIVE=1`` (tests, no
+    GPU): the committed rows of the cases ``bench`` names (its ``--presets``, ``--tokens``, ``--ranks`` and
+    ``--variants``; a live sweep measures those, not the committed set), with every measured time
+    (``us_*``, ``*_us``; not the floors) scaled by a factor of 0.85 to 1.15 that depends on the row's variant or path, so
+    rankings and ratios move as on another GPU. Saved traces are the committed ones of the
+    same cases."""
+    import zlib
+    rows = results.load(name, accept_older_rules=name in results.WALKS)
+    args, picked, option = [str(a) for a in bench], {}, None
+    for a in args[1:]:
+        if a.startswith("--"):
+            option = a if a in _CASE_OPTIONS else None
+        elif option:
+            picked.setdefault(_CASE_OPTIONS[option], set()).add(a)
+    out = []
+    for row in rows:
+        if any(col in row and str(row[col]) not in values for col, values in picked.items()):
+            continue
+        who = str(row.get("variant") or row.get("path") or row.get("schedule") or "")
+        factor = 0.85 + 0.3 * (zlib.crc32(who.encode()) % 1000) / 999
+        out.append({k: (v * factor if isinstance(v, float) and _measured_time(k) else v) for k, v in row.items()})
+    try:
+        saved = results.load_traces(f"{name}_traces")
+    except FileNotFoundError:
+        return out
+    _LIVE_TRACES[name] = {key: t for key, t in saved.items()         # the traces of the sweep's cases only
+                          if not any(col in t.get("meta", {}) and str(t["meta"][col]) not in values
+                                     for col, values in picked.items() if col != "variant")}
+    return out
 
 
 def traces(name: str = "layer", *, live: bool = False) -> dict:

@@ -38,3 +38,26 @@ def test_no_measured_number_in_markdown(path):
 def test_outputs_checked_by_nbval(path):
     checked = [i for i, text in cells(path, "code") if "# NBVAL_CHECK_OUTPUT" in text]
     assert len(checked) >= 3, f"{path.name}: only cells {checked} are compared by nbval; want at least 3"
+
+
+def _claim_calls(path):
+    import ast
+    for i, text in cells(path, "code"):
+        text = "\n".join(line for line in text.split("\n") if not line.lstrip().startswith(("%", "!")))
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "claim":
+                yield i, node
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parent.parent / "notebooks").rglob("*.ipynb")),
+                         ids=lambda p: p.stem)
+def test_every_claim_can_fail(path):
+    """A claim() checks its sentence against the data: its ``holds`` is an expression, never absent or a constant
+    (a sentence that holds whatever the data says is printed with print())."""
+    import ast
+    bad = []
+    for i, node in _claim_calls(path):
+        holds = {k.arg: k.value for k in node.keywords}.get("holds")
+        if holds is None or isinstance(holds, ast.Constant):
+            bad.append(f"cell {i}: {ast.unparse(node)[:90]}")
+    assert not bad, f"{path.name}: claims that cannot fail: {bad}"

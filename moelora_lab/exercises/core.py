@@ -1,8 +1,10 @@
 """Exercises: a stub the learner edits in a notebook, a check that says what is wrong, a hint.
 
 Three kinds (``KINDS``):
-  predict  the learner writes a number before the cell that measures or computes it; the check
-           reveals the answer and how close the guess was (within the exercise's tolerance passes);
+  predict  the learner writes a number before the cell that measures or computes it; the check says
+           whether it is too high or too low and by how much (within the exercise's tolerance passes);
+           a miss keeps the answer hidden until the learner asks (``check(id, value, reveal=True)``)
+           or misses ``REVEAL_AFTER`` times in this Python process;
   code     the learner completes a function (PyTorch or Triton); the check runs it against the
            reference on fresh inputs and names the rows that are wrong and by how much;
   traffic  the learner rewrites a Triton kernel that already gives the right answer so that it moves
@@ -23,12 +25,21 @@ import itertools
 import linecache
 import math
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 
 KINDS = ("predict", "code", "traffic")
 EXERCISES: dict[str, "Exercise"] = {}
 _SOURCES = itertools.count()
+REVEAL_AFTER = 3                           # the wrong try of a predict exercise that shows its answer
+_MISSES: dict[str, int] = {}               # exercise id -> wrong tries so far (one kernel session)
+_REVEAL: ContextVar[bool] = ContextVar("moelora_lab_exercise_reveal", default=False)
+
+
+def revealing() -> bool:
+    """True while a predict check may show its answer (asked for, or the REVEAL_AFTER-th miss)."""
+    return _REVEAL.get()
 
 
 class NotDone(Exception):
@@ -37,16 +48,19 @@ class NotDone(Exception):
 
 @dataclass(frozen=True)
 class Result:
-    """What a check found. ``passed``: the answer is accepted. ``done``: False while it is the stub's."""
+    """What a check found. ``passed``: the answer is accepted. ``done``: False while it is the stub's.
+    ``nudges``: what a wrong prediction likely mixed up, shown even while the answer (in ``details``,
+    the working) stays hidden."""
 
     passed: bool
     message: str
     details: tuple[str, ...] = ()
     done: bool = True
+    nudges: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         mark = "PASSED" if self.passed else ("not done yet" if not self.done else "NOT YET")
-        return "\n".join([f"[{mark}] {self.message}", *(f"    {d}" for d in self.details)])
+        return "\n".join([f"[{mark}] {self.message}", *(f"    {d}" for d in (*self.details, *self.nudges))])
 
 
 @dataclass(frozen=True)
@@ -69,7 +83,30 @@ class Exercise:
         if not self.id.startswith(self.notebook[:2] + "."):
             raise ValueError(f"id: {self.id!r} must start with the notebook's number {self.notebook[:2]!r}")
 
-    def check(self, value) -> Result:
+    def check(self, value, *, reveal: bool = False) -> Result:
+        """Grade ``value``. A predict miss hides the answer unless ``reveal`` or it is the
+        ``REVEAL_AFTER``-th miss of this exercise; only misses count (a stub's None does not)."""
+        if not isinstance(reveal, bool):
+            raise TypeError(f"reveal: expected True or False, got {type(reveal).__name__}")
+        if self.kind != "predict":
+            return self._check(value)
+        misses = _MISSES.get(self.id, 0)
+        token = _REVEAL.set(reveal or misses + 1 >= REVEAL_AFTER)
+        try:
+            result = self._check(value)
+        finally:
+            _REVEAL.reset(token)
+        if result.passed or not result.done:
+            return result
+        _MISSES[self.id] = misses + 1
+        if reveal or misses + 1 >= REVEAL_AFTER:
+            return result
+        left = REVEAL_AFTER - misses - 1
+        return Result(False, result.message, (), nudges=result.nudges + (
+            f"the answer stays hidden: try again ({left} more {'miss' if left == 1 else 'misses'} show it), or "
+            f"check({self.id!r}, {self.answer}, reveal=True) to see it with the working",))
+
+    def _check(self, value) -> Result:
         if value is None:
             return Result(False, f"{self.id}: `{self.answer}` is still None: fill it in, then run this cell again",
                           done=False)
@@ -101,9 +138,10 @@ def get(exercise_id: str) -> Exercise:
     return EXERCISES[exercise_id]
 
 
-def check(exercise_id: str, value) -> Result:
-    """Grade ``value`` for exercise ``exercise_id``, print the feedback and return the Result."""
-    result = get(exercise_id).check(value)
+def check(exercise_id: str, value, *, reveal: bool = False) -> Result:
+    """Grade ``value`` for exercise ``exercise_id``, print the feedback and return the Result.
+    ``reveal=True`` shows a predict exercise's answer even when the guess misses."""
+    result = get(exercise_id).check(value, reveal=reveal)
     print(result)
     return result
 
@@ -146,16 +184,33 @@ def load_solution(ex: Exercise, folder: Path | None = None):
 
 # --- helpers for graders -----------------------------------------------------------------------------
 
-def predict_result(ex_id: str, guess, truth: float, *, rel: float, unit: str = "", explain: str = "") -> Result:
-    """Grade a prediction: within ``rel`` (relative) of ``truth`` passes; says how close either way."""
+def how_far(guess: float, truth: float) -> str:
+    """'about 2.3x too high', '12% too low', 'exact': how a guess misses, without the truth itself."""
+    if guess == truth:
+        return "exact"
+    if truth == 0 or (guess < 0) != (truth < 0) or guess == 0:
+        return f"too {'high' if guess > truth else 'low'}" + (" (the sign is wrong)" if guess * truth < 0 else "")
+    ratio, high = guess / truth, guess > truth
+    if max(ratio, 1 / ratio) >= 1.5:          # far off: a factor reads better than a percentage
+        return f"about {max(ratio, 1 / ratio):.2g}x too {'high' if high else 'low'}"
+    return f"{abs(ratio - 1):.0%} too {'high' if high else 'low'}"
+
+
+def predict_result(ex_id: str, guess, truth: float, *, rel: float, unit: str = "", explain: str = "",
+                   reveal: bool | None = None) -> Result:
+    """Grade a prediction: within ``rel`` (relative) of ``truth`` passes. The message says how far off
+    and which way; it names ``truth`` (and ``explain``) only when the guess passes or ``reveal`` (by
+    default: :func:`revealing`, set by ``Exercise.check``)."""
+    if not isinstance(rel, (int, float)) or isinstance(rel, bool) or rel < 0:
+        raise ValueError(f"rel: expected a relative tolerance >= 0, got {rel!r}")
     if isinstance(guess, bool) or not isinstance(guess, (int, float)) or not math.isfinite(guess):
         return Result(False, f"{ex_id}: expected a number, got {guess!r}")
     off = (guess - truth) / truth if truth else (0.0 if guess == 0 else math.inf)
-    close = f"your {guess:,.4g}{unit} vs {truth:,.4g}{unit}: " + (
-        "exact" if off == 0 else f"{abs(off):.0%} {'high' if off > 0 else 'low'}")
     ok = abs(off) <= rel
-    return Result(ok, f"{ex_id}: {close} ({'within' if ok else 'outside'} the {rel:.0%} this exercise accepts)",
-                  (explain,) if explain else ())
+    show = ok or (revealing() if reveal is None else reveal)
+    said = f"your {guess:,.4g}{unit}" + (f" vs {truth:,.4g}{unit}" if show else "") + f": {how_far(guess, truth)}"
+    return Result(ok, f"{ex_id}: {said} ({'within' if ok else 'outside'} the {rel:.0%} this exercise accepts)",
+                  (explain,) if explain and show else ())
 
 
 def compare(ex_id: str, got, want, *, what: str = "output", rtol: float = 1e-4, atol: float = 1e-4,

@@ -8,7 +8,9 @@ Shape legend: M tokens, E experts, k top-k, L adapters, r rank, K in, N out.
 
 Every ``tl.load`` / ``tl.store`` (and atomic) that runs is counted where its mask is true: the
 bytes moved and the distinct bytes touched, per named tensor (an address is given to the tensor
-whose storage holds it; an address in none of them counts under "other"). ``loaded(name) /
+whose elements hold it). A lane of an access past a tensor's extent (an index below 0 or past its
+last element) is out of bounds: ``out_of_bounds()`` names the tensor the rest of that access reads,
+how many lanes and how far past; an access with no lane in any named tensor counts under "other". ``loaded(name) /
 unique_loaded(name)`` is how many times the kernel read that tensor's bytes over. This is the
 "memory score" of GPU-Puzzles: it counts what the code asks for, not what a GPU's caches would
 serve, so a kernel that reads a tile twice is charged twice. Only kernels the interpreter runs are
@@ -33,6 +35,7 @@ class MemoryCount:
     loads: dict = field(default_factory=dict)
     stores: dict = field(default_factory=dict)
     _addresses: dict = field(default_factory=dict)
+    oob: dict = field(default_factory=dict)    # (kind, name) -> [lanes, lowest index, highest index, numel]
 
     def _add(self, kind: str, name: str, addresses: np.ndarray, itemsize: int) -> None:
         book = self.loads if kind == "load" else self.stores
@@ -67,6 +70,25 @@ class MemoryCount:
         self._known(name)
         return self._unique("store", name)
 
+    def _out(self, kind: str, name: str, index: np.ndarray, numel: int) -> None:
+        book = self.oob.setdefault((kind, name), [0, int(index.min()), int(index.max()), numel])
+        book[0] += int(index.size)
+        book[1], book[2] = min(book[1], int(index.min())), max(book[2], int(index.max()))
+
+    def out_of_bounds(self) -> list[str]:
+        """One line per tensor read or written past its extent (and one for bytes of no named tensor)."""
+        lines = []
+        for (kind, name), (lanes, lo, hi, numel) in sorted(self.oob.items()):
+            where = " and ".join(w for w, bad in ((f"index {lo:,}", lo < 0), (f"index {hi:,}", hi >= numel)) if bad)
+            verb = "read" if kind == "load" else "written"
+            lines.append(f"{name}: {lanes:,} element{'s' * (lanes != 1)} {verb} out of bounds, up to {where} of "
+                         f"its {numel:,} elements (0 to {numel - 1:,}): a mask missing or too wide?")
+        for kind, book in (("loaded", self.loads), ("stored", self.stores)):
+            if book.get("other"):
+                lines.append(f"{book['other']:,} B {kind} at addresses in none of the tensors "
+                             f"({', '.join(self.names)}): an index far out of bounds?")
+        return lines
+
     @property
     def total_loaded(self) -> int:
         return sum(self.loads.values())
@@ -92,13 +114,15 @@ class MemoryCount:
         return "\n".join(lines)
 
 
-def _ranges(tensors: dict) -> list[tuple[int, int, str]]:
+def _ranges(tensors: dict) -> list[tuple[int, int, str, int, int]]:
+    """(first byte, one past the last byte, name, itemsize, numel) of each tensor's own elements, by address:
+    a view's extent, not its storage's, so that reading past a view counts as out of bounds."""
     out = []
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor to attribute addresses to, got {type(t).__name__}")
-        storage = t.untyped_storage()
-        out.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes(), name))
+        span = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) if t.numel() else 0
+        out.append((t.data_ptr(), t.data_ptr() + span * t.element_size(), name, t.element_size(), t.numel()))
     return sorted(out)
 
 
@@ -126,6 +150,8 @@ def count_memory(**tensors):
     starts = np.array([r[0] for r in ranges], dtype=np.uint64)
     count = MemoryCount(tuple(tensors))
 
+    ends = np.array([r[1] for r in ranges], dtype=np.uint64)
+
     def attribute(kind, ptrs, mask, itemsize):
         addresses = np.asarray(ptrs).reshape(-1)
         keep = np.broadcast_to(np.asarray(mask, dtype=bool), np.asarray(ptrs).shape).reshape(-1)
@@ -133,13 +159,20 @@ def count_memory(**tensors):
         if not addresses.size:
             return
         slot = np.searchsorted(starts, addresses, side="right") - 1
-        for i in np.unique(slot):
-            sel = addresses[slot == i]
-            inside = (i >= 0) & (sel < ranges[i][1]) if i >= 0 else np.zeros(sel.shape, bool)
-            if i >= 0 and inside.any():
-                count._add(kind, ranges[i][2], sel[inside], itemsize)
-            if (~inside).any():
-                count._add(kind, "other", sel[~inside], itemsize)
+        inside = (slot >= 0) & (addresses < ends[np.maximum(slot, 0)])
+        for i in np.unique(slot[inside]):
+            count._add(kind, ranges[i][2], addresses[inside & (slot == i)], itemsize)
+        if inside.all():
+            return
+        stray = addresses[~inside]
+        if not inside.any():                  # no lane in a named tensor: an unnamed one (or far out)
+            count._add(kind, "other", stray, itemsize)
+            return
+        # one tl.load / tl.store reads one tensor: the one most of its in-bounds lanes hit
+        target = np.bincount(slot[inside]).argmax()
+        start, _, name, size, numel = ranges[target]
+        index = (stray.astype(np.int64) - np.int64(start)) // size
+        count._out(kind, name, index, numel)
 
     builder = interpreter.InterpreterBuilder
     load, store = builder.create_masked_load, builder.create_masked_store
@@ -170,3 +203,32 @@ def count_memory(**tensors):
         builder.create_masked_load, builder.create_masked_store = load, store
         if rmw is not None:
             builder.create_atomic_rmw = rmw
+
+
+def _times(n: float) -> str:
+    return {0: "never", 1: "once", 2: "twice"}.get(n, f"{n:.3g} times") if n == int(n) else f"{n:.3g} times"
+
+
+def excess(mem: MemoryCount, name: str, kind: str, once: int, *, expected: int = 1, per: str = "") -> str | None:
+    """None when tensor ``name`` moves at most ``expected`` x ``once`` bytes (``kind``: "load" or
+    "store"; ``once``: the bytes of one pass over what it must move); else the cause, e.g.
+    "a: read 16 times per block, expected once (65,536 B against 4,096 B)"."""
+    if kind not in ("load", "store"):
+        raise ValueError(f"kind: expected 'load' or 'store', got {kind!r}")
+    if once <= 0:
+        raise ValueError(f"once: the bytes of one pass must be > 0, got {once!r}")
+    got = mem.loaded(name) if kind == "load" else mem.stored(name)
+    if got <= expected * once:
+        return None
+    verb = "read" if kind == "load" else "written"
+    return (f"{name}: {verb} {_times(round(got / once, 3))}{per}, expected {_times(expected)}"
+            f" ({got:,} B against {expected * once:,} B)")
+
+
+def out_of_bounds_result(ex_id: str, mem: MemoryCount):
+    """A failing Result naming every out-of-bounds access, or None when there was none."""
+    from .core import Result
+    lines = mem.out_of_bounds()
+    if not lines:
+        return None
+    return Result(False, f"{ex_id}: the kernel reads or writes out of bounds", tuple(lines))

@@ -39,17 +39,17 @@ def _grade_roundtrip(guess) -> Result:
     res = predict_result("02.roundtrip_bytes", guess, sum(parts.values()), rel=0.10, unit=" B",
                          explain=f"T is [S, P, r] = [{m['S']}, {m['M'] * m['k']}, {m['r']}] bf16: {one:,} B per pass; "
                                  f"the byte model counts {len(parts)} passes, shrink's write and expand's read")
-    details = [f"  {name}: {nbytes:,} B" for name, nbytes in parts.items()]
+    details, nudges = [f"  {name}: {nbytes:,} B" for name, nbytes in parts.items()], []
     if _near(guess, one):
-        details.append("your number is half: one pass (the expand reads back every byte the shrink wrote) or one "
+        nudges.append("your number is half: one pass (the expand reads back every byte the shrink wrote) or one "
                        "slice (w13 has two, gate and up, each with its own T rows)")
     elif _near(guess, 3 * one):
-        details.append("your number is three passes: the launcher allocates T with torch.empty, so nothing "
+        nudges.append("your number is three passes: the launcher allocates T with torch.empty, so nothing "
                        "writes it before the shrink")
     elif _near(guess, 4 * one):
-        details.append("your number is twice: T is stored in x's dtype (bf16, 2 bytes); the fp32 accumulator "
+        nudges.append("your number is twice: T is stored in x's dtype (bf16, 2 bytes); the fp32 accumulator "
                        "stays in registers")
-    return Result(res.passed, res.message, res.details + tuple(details))
+    return Result(res.passed, res.message, res.details + tuple(details), nudges=tuple(nudges))
 
 
 ROUNDTRIP_STUB = '''\

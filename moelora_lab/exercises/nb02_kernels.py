@@ -9,16 +9,18 @@ from __future__ import annotations
 import torch
 
 from .core import Exercise, Result, compare, register
-from .memory import count_memory
+from .memory import count_memory, excess, out_of_bounds_result
 
 
 def _traffic_result(ex_id: str, mem, name: str, what: str, target: int, per_block: str, extra=()) -> Result:
-    """Pass when the bytes loaded from ``name`` are at most ``target``; say by how much they are over."""
+    """Pass when the bytes loaded from ``name`` are at most ``target`` (each block reads its tile once);
+    else name the tensor and how many times each block read its tile."""
     got = mem.loaded(name)
     details = (f"{what} loaded {got:,} B; target {target:,} B = {per_block}", *extra,
                "all loads and stores:", *mem.report().splitlines())
-    if got > target:
-        return Result(False, f"{ex_id}: right answer, but {what} is read {got / target:.3g}x more than needed", details)
+    cause = excess(mem, name, "load", target, per=" per block")
+    if cause:
+        return Result(False, f"{ex_id}: right answer, but {cause}", details)
     return Result(True, f"{ex_id}: right answer, and each block reads its {what} tile once", details)
 
 
@@ -55,6 +57,8 @@ def _grade_shrink(kernel) -> Result:
     with count_memory(x=x, a=a, sorted_pairs=sorted_pairs, block_group=block_group, t=t) as mem:
         kernel[(blocks,)](x, a, sorted_pairs, block_group, t, s["K"], TOP_K=s["k"], R=s["r"],
                           BLOCK_M=s["BLOCK_M"], BLOCK_K=s["BLOCK_K"])
+    if (oob := out_of_bounds_result("02.shrink_once", mem)):
+        return oob
     wrong = compare("02.shrink_once", t, _shrink_reference(x, a, sorted_pairs, block_group), what="T [P, r]",
                     row_name="pair")
     if wrong:
@@ -117,6 +121,8 @@ def _grade_expand(kernel) -> Result:
     blocks, n_tiles = e["P"] // e["BLOCK_M"], triton.cdiv(e["N"], e["BLOCK_N"])
     with count_memory(t=t, b=b, block_group=block_group, out=out) as mem:
         kernel[(blocks, n_tiles)](t, b, block_group, out, e["N"], e["r"], BLOCK_M=e["BLOCK_M"], BLOCK_N=e["BLOCK_N"])
+    if (oob := out_of_bounds_result("02.expand_once", mem)):
+        return oob
     wrong = compare("02.expand_once", out, _expand_reference(t, b, block_group), what="out [P, N]")
     if wrong:
         return wrong

@@ -10,7 +10,7 @@ import re
 import torch
 
 from .core import Exercise, Result, compare, predict_result, register
-from .memory import count_memory
+from .memory import count_memory, excess, out_of_bounds_result
 
 # ---- 03.registers: predict, then reveal next to the compiled kernel ---------------------------------
 
@@ -87,23 +87,31 @@ def _grade_keep(kernel) -> Result:
     with count_memory(x=x, a=a, b=b, block_group=block_group, t=t, out=out) as mem:
         kernel[(blocks,)](x, a, b, block_group, t, out, e["K"], e["N"], R=e["R"], BLOCK_M=e["BLOCK_M"],
                           BLOCK_N=e["BLOCK_N"], BLOCK_K=e["BLOCK_K"])
+    if (oob := out_of_bounds_result("03.keep_t_out", mem)):
+        return oob
     wrong = compare("03.keep_t_out", out, _lora_reference(x, a, b, block_group, e["BLOCK_M"]), what="out [P, N]")
     if wrong:
         return wrong
     out_bytes, x_bytes, a_bytes = out.numel() * 4, x.numel() * 4, blocks * e["R"] * e["K"] * 4
     details = ("all loads and stores:", *mem.report().splitlines())
-    if mem.loaded("t") or mem.stored("t"):
-        return Result(False, f"03.keep_t_out: right answer, but T makes a round trip through HBM: the scratch t "
-                             f"[P, R] is stored {mem.stored('t'):,} B and loaded {mem.loaded('t'):,} B; target 0 B",
-                      details)
-    if mem.stored("out") != out_bytes or mem.unique_stored("out") != out_bytes or mem.loaded("out"):
-        return Result(False, f"03.keep_t_out: right answer and T stays in registers, but out is stored "
-                             f"{mem.stored('out'):,} B and loaded {mem.loaded('out'):,} B; target: stored once, "
-                             f"{out_bytes:,} B = P {e['P']} x N {e['N']} x 4 B, never loaded", details)
-    if mem.loaded("x") > x_bytes or mem.loaded("a") > a_bytes:
+    t_bytes = t.numel() * 4
+    t_causes = [c for c in (excess(mem, "t", "store", t_bytes, expected=0), excess(mem, "t", "load", t_bytes,
+                                                                                   expected=0)) if c]
+    if t_causes:
+        return Result(False, f"03.keep_t_out: right answer, but T makes a round trip through HBM: "
+                             + "; ".join(t_causes), details)
+    out_causes = [c for c in (excess(mem, "out", "store", out_bytes), excess(mem, "out", "load", out_bytes,
+                                                                              expected=0)) if c]
+    if out_causes or mem.unique_stored("out") != out_bytes:
+        return Result(False, f"03.keep_t_out: right answer and T stays in registers, but "
+                             + ("; ".join(out_causes) or f"out is written at {mem.unique_stored('out'):,} distinct "
+                                f"bytes of its {out_bytes:,}")
+                             + f" (out is P {e['P']} x N {e['N']} x 4 B)", details)
+    shrink = [c for c in (excess(mem, "x", "load", x_bytes), excess(mem, "a", "load", a_bytes, per=" per block"))
+              if c]
+    if shrink:
         return Result(False, f"03.keep_t_out: T stays out of HBM, but the shrink runs more than once per block: "
-                             f"x loaded {mem.loaded('x'):,} B (target {x_bytes:,}), A {mem.loaded('a'):,} B "
-                             f"(target {a_bytes:,}); compute T once, before the N loop", details)
+                             + "; ".join(shrink) + "; compute T once, before the N loop", details)
     return Result(True, "03.keep_t_out: right answer, T never touches HBM (0 B of t loaded or stored) and out is "
                         f"stored once ({out_bytes:,} B)", details)
 
@@ -227,8 +235,9 @@ register(
                   "threads each. One fp32 value takes one 32-bit register."),
     Exercise("03.keep_t_out", "03_register_resident_rank", "traffic", "keep T in registers, not in a scratch buffer",
              "fused_lora_kernel", KEEP_STUB, _grade_keep,
-             hint="T is already a value of the program when the shrink loop ends. Delete the store to t_ptr, the "
-                  "barrier and the load inside the N loop, and feed t itself to tl.dot."),
+             hint="Follow T from the end of the shrink loop to its use in the N loop. Where is it at each step: in "
+                  "the program's registers, or in HBM? The check counts every byte of t_ptr and expects none; ask "
+                  "which lines move T to HBM and back, and what the N loop already has in hand."),
     Exercise("03.rank_tiles", "03_register_resident_rank", "code", "loop over rank tiles of BLOCK_R columns",
              "rank_tiles_kernel", TILES_STUB, _grade_tiles,
              hint="Replace `r0 = 0` by `for r0 in range(0, R, BLOCK_R):` and indent everything below it into the "

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .core import Exercise, Result, compare, predict_result, register
-from .memory import count_memory
+from .memory import count_memory, excess, out_of_bounds_result
 
 PRESET = "qwen3-30b-a3b"
 
@@ -143,6 +143,8 @@ def _grade_fold_kernel(kernel) -> Result:
     tmp, h = torch.full_like(c1, float("nan")), torch.full_like(want, float("nan"))
     with count_memory(c1=c1, delta=delta, token_lora=tl_, tmp=tmp, h=h) as mem:
         kernel[(P, triton.cdiv(I, f["BLOCK"]))](c1, delta, tl_, tmp, h, f["k"], I, BLOCK=f["BLOCK"])
+    if (oob := out_of_bounds_result("05.fold_kernel", mem)):
+        return oob
     wrong = compare("05.fold_kernel", h, want, what="h [P, I]")
     if wrong:
         rows = [r for r in range(P) if not torch.allclose(h[r], want[r], rtol=1e-4, atol=1e-4)]
@@ -152,18 +154,21 @@ def _grade_fold_kernel(kernel) -> Result:
                       "NaN: mask those lanes off in the load (other=0.0) rather than multiplying them away",)
         return Result(False, wrong.message, wrong.details + extra)
     pa = int((tl_ >= 0).sum()) * f["k"]
-    targets = [("c1", mem.loaded("c1"), P * 2 * I * 4, f"c1 loaded once: P {P} x 2I {2 * I} x 4 B"),
-               ("delta", mem.loaded("delta"), pa * 2 * I * 4,
+    one_pass = P * 2 * I * 4                          # the bytes of c1, of delta and of tmp, each read in full once
+    targets = [("c1", "load", one_pass, 1, mem.loaded("c1"), one_pass, f"c1 loaded once: P {P} x 2I {2 * I} x 4 B"),
+               ("delta", "load", pa * 2 * I * 4, 1, mem.loaded("delta"), pa * 2 * I * 4,
                 f"delta loaded only for the {pa} pairs of tokens with an adapter: {pa} x 2I {2 * I} x 4 B"),
-               ("tmp", mem.loaded("tmp") + mem.stored("tmp"), 0, "tmp neither stored nor loaded: c1 + delta stays "
-                                                                   "in registers"),
-               ("h", mem.stored("h"), P * I * 4, f"h stored once: P {P} x I {I} x 4 B")]
-    over = [f"{name}: {got:,} B, target {target:,} B ({why})" for name, got, target, why in targets if got > target]
-    fine = [f"{name}: {got:,} B = target ({why})" for name, got, target, why in targets if got <= target]
+               ("tmp", "store", one_pass, 0, mem.stored("tmp"), 0, "tmp never stored: c1 + delta stays in registers"),
+               ("tmp", "load", one_pass, 0, mem.loaded("tmp"), 0, "tmp never loaded"),
+               ("h", "store", P * I * 4, 1, mem.stored("h"), P * I * 4, f"h stored once: P {P} x I {I} x 4 B")]
+    over = [excess(mem, name, kind, once, expected=n) + f" ({why})" for name, kind, once, n, got, target, why
+            in targets if got > target]
+    fine = [f"{name}: {got:,} B = target ({why})" for name, kind, once, n, got, target, why in targets
+            if got <= target]
     report = ("all loads and stores:", *mem.report().splitlines())
     if over:
-        return Result(False, f"05.fold_kernel: right answer, but {len(over)} of {len(targets)} tensors move more "
-                             f"bytes than needed", tuple(over + fine) + report)
+        more = f" (and {len(over) - 1} more below)" if len(over) > 1 else ""
+        return Result(False, f"05.fold_kernel: right answer, but {over[0]}{more}", tuple(over + fine) + report)
     return Result(True, "05.fold_kernel: right answer in one pass: no round trip through tmp, no unwritten "
                         "delta row read, h stored once", tuple(fine) + report)
 
@@ -204,10 +209,10 @@ register(
                   "`h.copy_(F.silu(g[:, :I]) * g[:, I:])`."),
     Exercise("05.fold_kernel", "05_layer_design", "traffic", "fold the delta into the activation in one pass",
              "fold_act_kernel", FOLD_KERNEL_STUB, _grade_fold_kernel,
-             hint="Load gate and up from c1 once, and add the delta as you load it: "
-                  "`tl.load(delta_ptr + offs, mask=ok & has, other=0.0)` reads nothing for a token without an "
-                  "adapter (its lanes are masked off) and gives 0 there. Compute h from those registers and "
-                  "store it once; never touch tmp_ptr."),
+             hint="Two costs to look at. tmp: c1 + delta is written and read straight back; does the sum need to "
+                  "leave the registers it was computed in? delta: a row of a token without an adapter is read, "
+                  "then discarded by tl.where. A load's mask decides which lanes touch memory at all, and its "
+                  "`other` what a masked-off lane gives."),
     Exercise("05.delta_bytes", "05_layer_design", "predict", "bytes of the LoRA deltas' round trip at M = 2048",
              "delta_bytes_guess", DELTA_STUB, _grade_delta_bytes,
              hint="P = M x k pairs, all with an adapter. d13 has P rows of 2I values, d2 P rows of H values, "

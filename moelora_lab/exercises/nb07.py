@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from .core import Exercise, Result, compare, predict_result, register
+from .core import Exercise, Result, compare, predict_result, register, revealing
 
 NB = "07_adapters"
 PREFIX = "model.layers.0.mlp.experts"
@@ -67,14 +67,16 @@ def _grade_b_column(guess) -> Result:
                f"rank 1's, ...: column i·E + e = {i}·{E} + {e} = {column}")
     if guess == column:
         return Result(True, f"07.b_column: column {guess}: exact", (explain,))
-    details = (explain,)
+    nudges = ()
     if guess == e * r + i:
-        details += (f"{guess} = e·r + i is where lora_A keeps it (row e·r + i, expert-major); lora_B's columns run "
+        nudges += (f"{guess} = e·r + i is where lora_A keeps it (row e·r + i, expert-major); lora_B's columns run "
                     "the other way",)
     elif guess == i * r + e or guess == e * E + i:
-        details += (f"{guess} mixes the two orders: the stride between ranks of one expert is E = {E}, and "
+        nudges += (f"{guess} mixes the two orders: the stride between ranks of one expert is E = {E}, and "
                     "experts sit next to each other",)
-    return Result(False, f"07.b_column: your column {guess}, the column is {column}", details)
+    way = f"{abs(guess - column)} column{'s' if abs(guess - column) > 1 else ''} too {'high' if guess > column else 'low'}"
+    shown = f", the column is {column}" if revealing() else ""
+    return Result(False, f"07.b_column: your column {guess}: {way}{shown}", (explain,), nudges=nudges)
 
 
 B_COLUMN_STUB = '''\
@@ -180,7 +182,7 @@ def _grade_scaling(guess) -> Result:
     res = predict_result("07.scaling", guess, truth, rel=0.01,
                          explain=f"rslora divides lora_alpha by √r: {c['lora_alpha']} / √{c['r']} = {truth:.4g}")
     if isinstance(guess, (int, float)) and not res.passed and math.isclose(guess, plain, rel_tol=0.01):
-        return Result(False, res.message, res.details + (
+        return Result(False, res.message, res.details, nudges=(
             f"{plain:g} = lora_alpha / r is plain LoRA's scaling; use_rslora=True changes it",))
     return res
 

@@ -35,7 +35,7 @@ def _grade_dispatch(guess) -> Result:
              M * k * H * b * (W - 1) / W * 2: "that is the dispatch and the combine together; the dispatch alone"}
     for value, say in known.items():
         if abs(guess - value) <= 0.05 * value:
-            return Result(False, res.message, res.details + (say,))
+            return Result(False, res.message, res.details, nudges=(say,))
     return res
 
 
