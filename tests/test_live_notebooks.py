@@ -17,7 +17,10 @@ NOT_HERE = "[does not hold here"          # how lesson.claim reports a failed cl
 
 
 def live_notebooks() -> list[Path]:
-    return sorted(p for p in NOTEBOOKS.rglob("*.ipynb") if SWITCH in p.read_text())
+    import json
+    return sorted(p for p in NOTEBOOKS.rglob("*.ipynb")
+                  if any(c["cell_type"] == "code" and SWITCH in "".join(c["source"])
+                         for c in json.loads(p.read_text())["cells"]))
 
 
 def run_live(path: Path, timeout: int = 600):

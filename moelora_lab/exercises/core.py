@@ -236,3 +236,11 @@ def compare(ex_id: str, got, want, *, what: str = "output", rtol: float = 1e-4, 
         details.append(f"... and {len(rows) - max_rows} more {row_name}s")
     return Result(False, f"{ex_id}: {what} is wrong in {len(rows)} of {g.shape[0] if g.dim() else 1} "
                          f"{row_name}s", tuple(details))
+
+
+def out_of_bounds_result(ex_id: str, mem) -> Result | None:
+    """A failing Result naming every out-of-bounds access ``mem`` (a ``memory.MemoryCount``) saw, or None."""
+    lines = mem.out_of_bounds()
+    if not lines:
+        return None
+    return Result(False, f"{ex_id}: the kernel reads or writes out of bounds", tuple(lines))

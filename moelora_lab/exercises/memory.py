@@ -223,12 +223,3 @@ def excess(mem: MemoryCount, name: str, kind: str, once: int, *, expected: int =
     verb = "read" if kind == "load" else "written"
     return (f"{name}: {verb} {_times(round(got / once, 3))}{per}, expected {_times(expected)}"
             f" ({got:,} B against {expected * once:,} B)")
-
-
-def out_of_bounds_result(ex_id: str, mem: MemoryCount):
-    """A failing Result naming every out-of-bounds access, or None when there was none."""
-    from .core import Result
-    lines = mem.out_of_bounds()
-    if not lines:
-        return None
-    return Result(False, f"{ex_id}: the kernel reads or writes out of bounds", tuple(lines))

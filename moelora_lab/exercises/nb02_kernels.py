@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .core import Exercise, Result, compare, register
-from .memory import count_memory, excess, out_of_bounds_result
+from .core import Exercise, Result, compare, out_of_bounds_result, register
+from .memory import count_memory, excess
 
 
 def _traffic_result(ex_id: str, mem, name: str, what: str, target: int, per_block: str, extra=()) -> Result:

@@ -9,8 +9,8 @@ import re
 
 import torch
 
-from .core import Exercise, Result, compare, predict_result, register
-from .memory import count_memory, excess, out_of_bounds_result
+from .core import Exercise, Result, compare, out_of_bounds_result, predict_result, register
+from .memory import count_memory, excess
 
 # ---- 03.registers: predict, then reveal next to the compiled kernel ---------------------------------
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from .core import Exercise, Result, compare, predict_result, register
-from .memory import count_memory, excess, out_of_bounds_result
+from .core import Exercise, Result, compare, out_of_bounds_result, predict_result, register
+from .memory import count_memory, excess
 
 PRESET = "qwen3-30b-a3b"
 
