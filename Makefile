@@ -4,6 +4,7 @@
 #                          NVIDIA GPU, torch's CPU build (scripts/torch_source.py prints which build and why)
 #   make lab            -> JupyterLab on notebooks/   (make lab PORT=8890 LAB_ARGS=--no-browser)
 #   make test           -> the exercises (solutions pass, stubs fail), then pytest on tests/ and the notebooks (nbval, lax mode)
+#   make test-slow      -> the exhaustive interpreter sweeps make test leaves out (every rule tile, the property fuzz, 4 processes)
 #   make test-triton36  -> the kernel tests again under triton 3.6.0 (its own venv, .venv-triton36/)
 #   make test-browser   -> every notebook in JupyterLab in headless Chromium: run all, move every explorer's
 #                          controls, check what the page shows (installs Debian chromium if missing)
@@ -30,7 +31,7 @@ PYTEST_ARGS  ?=
 TEST_WORKERS ?= $(shell $(PYTHON) -c 'import os; print(min(8, os.cpu_count() or 1))')
 PIP        := -m pip install --quiet --quiet --progress-bar off
 
-NOTEBOOKS  := $(wildcard notebooks/*.ipynb)
+NOTEBOOKS  := $(wildcard notebooks/*.ipynb notebooks/appendix/*.ipynb)
 # the kernel tests that run under the interpreter (the second triton version runs these)
 KERNEL_TESTS := tests/test_ops.py tests/test_dispatch.py tests/test_layer.py tests/test_moe.py tests/test_align.py tests/test_validate.py \
                 tests/test_paths.py tests/test_streams.py tests/test_properties.py tests/test_compile.py \
@@ -38,12 +39,12 @@ KERNEL_TESTS := tests/test_ops.py tests/test_dispatch.py tests/test_layer.py tes
                 tests/test_experiments_in_gemm.py tests/test_experiments_in_join.py
 
 # `make test-browser`: Debian's chromium and chromium-driver (apt-get, as root or through sudo; selenium
-# comes with the venv); BROWSER_NOTEBOOKS picks notebooks (default: all of notebooks/).
+# comes with the venv); BROWSER_NOTEBOOKS picks notebooks (default: all of notebooks/, the appendix included).
 SUDO              := $(if $(filter 0,$(shell id -u)),,sudo)
 BROWSER_NOTEBOOKS ?=
 
 .DEFAULT_GOAL := test
-.PHONY: venv lab test test-triton36 test-browser test-wheel notebooks clean check-python
+.PHONY: venv lab test test-slow test-triton36 test-browser test-wheel notebooks clean check-python
 
 check-python:
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { \
@@ -84,13 +85,19 @@ test: $(STAMP)
 	env -u MPLBACKEND $(VPY) -m moelora_lab.exercises check && \
 	env -u MPLBACKEND $(VPY) -m moelora_lab.exercises check --stubs && \
 	echo "== pytest on tests/ and notebooks/ ($(TEST_WORKERS) workers)" && \
-	env -u MPLBACKEND $(VPY) -m pytest tests notebooks \
+	env -u MPLBACKEND $(VPY) -m pytest tests notebooks -m "not slow" \
 	  -n $(TEST_WORKERS) \
 	  --nbval-lax --nbval-current-env \
 	  --nbval-sanitize-with notebooks/nbval_sanitize.cfg \
 	  --nbval-cell-timeout=$(CELL_TIMEOUT) \
 	  -p no:cacheprovider $(PYTEST_ARGS); \
 	rc=$$?; echo "== make test: $$(( SECONDS - start )) s on $(TEST_WORKERS) workers"; exit $$rc
+
+# the exhaustive interpreter sweeps `make test` leaves out (every distinct tile of the GPU rule, the op's property
+# fuzz, the distributed layers on four processes); CI runs them after `make test`
+test-slow: $(STAMP)
+	@start=$$SECONDS; env -u MPLBACKEND $(VPY) -m pytest tests -m slow -n $(TEST_WORKERS) -p no:cacheprovider $(PYTEST_ARGS); \
+	rc=$$?; echo "== make test-slow: $$(( SECONDS - start )) s on $(TEST_WORKERS) workers"; exit $$rc
 
 $(VENV36)/.installed: pyproject.toml requirements-cpu.txt | check-python
 	@test -x $(VENV36)/bin/python || $(PYTHON) -m venv $(VENV36)

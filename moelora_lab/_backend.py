@@ -41,8 +41,9 @@ elif _CHOICE == "0":
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _check_numpy() -> None:
-    """numpy 2.4 breaks the triton 3.6 interpreter (loops with a runtime bound fail); 3.7 is fine."""
+def interpreter_breaks() -> str | None:
+    """Why the Triton interpreter cannot run this lab's kernels with the installed packages, or None: numpy 2.4
+    breaks the triton 3.6 interpreter (loops with a runtime bound fail); 3.7 is fine."""
     from importlib.metadata import PackageNotFoundError, version
 
     import numpy as np
@@ -50,12 +51,18 @@ def _check_numpy() -> None:
     try:
         triton_version = tuple(int(v) for v in version("triton").split(".")[:2])
     except (PackageNotFoundError, ValueError):
-        return
+        return None
     major, minor = (int(v) for v in np.__version__.split(".")[:2])
-    if INTERPRET and (major, minor) >= (2, 4) and triton_version < (3, 7):
-        warnings.warn(
-            f"numpy {np.__version__} breaks the Triton {version('triton')} interpreter (loops with a runtime bound "
-            "fail); install numpy<2.4, or triton>=3.7, to run the kernels on the CPU", RuntimeWarning, stacklevel=2)
+    if (major, minor) >= (2, 4) and triton_version < (3, 7):
+        return (f"numpy {np.__version__} breaks the Triton {version('triton')} interpreter (loops with a runtime "
+                "bound fail); install numpy<2.4, or triton>=3.7, to run the kernels on the CPU")
+    return None
+
+
+def _check_numpy() -> None:
+    broken = interpreter_breaks() if INTERPRET else None
+    if broken:
+        warnings.warn(broken, RuntimeWarning, stacklevel=2)
 
 
 _check_numpy()
@@ -111,3 +118,13 @@ def describe() -> str:
         return ("no CUDA GPU is visible, and MOELORA_INTERPRET=0 turned the Triton interpreter off: kernels cannot "
                 "run here; unset MOELORA_INTERPRET (or set it to 1) to run them on the CPU")
     return f"CUDA: {torch.cuda.get_device_name()}"
+
+
+def optional_module(name: str, *, needed_for: str, install: str):
+    """The module ``name`` (dotted), imported on first use; if it is missing, an ImportError saying what needs it
+    and the command that installs it. moelora_lab itself imports without its optional packages."""
+    import importlib
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        raise ImportError(f"{needed_for} needs {name.split('.')[0]}, which is not installed: {install}") from exc

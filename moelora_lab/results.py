@@ -51,8 +51,9 @@ def _rule_table() -> list:
 
     pairs = [1, 2, 8, 12, 16, 17, 24, 32, 64, 128, 192, 256, 512, 1024, 4096, 8192, 65536]
     ranks = [None, 8, 16, 32, 64, 128, 192, 256, 512]
-    table: list = [sorted((name, repr(cfg)) for name, cfg in rules.CONFIGS.items()),
-                   rules.MAX_FUSED_COLUMNS, SIDE_PRIORITIES[0]]
+    # every rule's value (rules.py), then what the rule functions return over the grid
+    table: list = [sorted((name, repr(value)) for name, value in vars(rules).items()
+                          if name.isupper() and not name.startswith("_")), SIDE_PRIORITIES[0]]
     table.append([gpu_schedule(p, e, in_k_columns=c) for p in pairs for e in (8, 64, 128) for c in (None, 32, 64, 256)])
     for p in pairs:
         for groups in (1, 8, 64, 512):

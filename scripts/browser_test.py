@@ -1,6 +1,6 @@
 """Open every notebook in JupyterLab in headless Chromium, as a person would, and check what it shows.
 
-    python scripts/browser_test.py [NOTEBOOK.ipynb ...]      (default: notebooks/*.ipynb; `make test-browser`)
+    python scripts/browser_test.py [NOTEBOOK.ipynb ...]      (default: notebooks/*.ipynb, then notebooks/appendix/; `make test-browser`)
 
 JupyterLab runs from this interpreter's environment with its defaults (as `make lab` starts it), on a
 free port, on copies of the notebooks in a temporary folder. Per notebook it fails when:
@@ -315,8 +315,9 @@ def check_explorers(d) -> tuple[list[str], list[str]]:
     return failures, notes
 
 
-def check_notebook(d, base: str, path: Path, original: bytes) -> tuple[list[str], list[str]]:
-    d.get(f"{base}/lab/tree/{path.name}?reset")
+def check_notebook(d, base: str, folder: Path, where: Path, original: bytes) -> tuple[list[str], list[str]]:
+    path = folder / where
+    d.get(f"{base}/lab/tree/{where.relative_to('notebooks').as_posix()}?reset")
     wait("the notebook and its kernel", lambda: kernel_idle(d), 120)
     time.sleep(2)                            # the kernel's info reply may still rewrite the metadata
     failures, notes = [], []
@@ -353,14 +354,27 @@ def check_notebook(d, base: str, path: Path, original: bytes) -> tuple[list[str]
     return failures + more, notes + explored
 
 
+def all_notebooks() -> list[Path]:
+    """The lessons, then the appendix."""
+    return sorted((ROOT / "notebooks").glob("*.ipynb")) + sorted((ROOT / "notebooks" / "appendix").glob("*.ipynb"))
+
+
+def place(nb: Path) -> Path:
+    """Where a notebook sits in the lab's folder: its path under notebooks/ (the appendix keeps its subfolder,
+    so its links to the lessons resolve)."""
+    parts = nb.parts
+    return Path("notebooks", *parts[len(parts) - 1 - parts[::-1].index("notebooks") + 1:]) if "notebooks" in parts \
+        else Path("notebooks", nb.name)
+
+
 def main(paths: list[str]) -> int:
     if webdriver is None:
         raise SystemExit("selenium is needed: `make test-browser` installs it into .venv")
-    notebooks = [Path(p).resolve() for p in paths] or sorted((ROOT / "notebooks").glob("*.ipynb"))
+    notebooks = [Path(p).resolve() for p in paths] or all_notebooks()
     folder = Path(tempfile.mkdtemp(prefix="moelora-browser-"))
-    (folder / "notebooks").mkdir()
     for nb in notebooks:
-        shutil.copy(nb, folder / "notebooks" / nb.name)
+        (folder / place(nb)).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(nb, folder / place(nb))
     port, token, t_all, failed = free_port(), os.urandom(12).hex(), time.time(), 0
     lab = start_lab(folder, port, token)
     d = None
@@ -371,11 +385,11 @@ def main(paths: list[str]) -> int:
         for nb in notebooks:
             t0 = time.time()
             try:
-                failures, notes = check_notebook(d, base, folder / "notebooks" / nb.name, nb.read_bytes())
+                failures, notes = check_notebook(d, base, folder, place(nb), nb.read_bytes())
             except (TimeoutError, WebDriverException) as exc:
                 failures, notes = [f"{type(exc).__name__}: {str(exc).splitlines()[0]}"], []
             failed += bool(failures)
-            print(f"{'FAIL' if failures else 'ok  '} {nb.name}: {time.time() - t0:.0f} s; " + "; ".join(notes),
+            print(f"{'FAIL' if failures else 'ok  '} {place(nb).relative_to('notebooks')}: {time.time() - t0:.0f} s; " + "; ".join(notes),
                   flush=True)
             for f in failures:
                 print(f"       - {f}", flush=True)

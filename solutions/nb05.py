@@ -31,3 +31,7 @@ def fold_act_kernel(c1_ptr, delta_ptr, token_lora_ptr, tmp_ptr, h_ptr, top_k, I,
 # 05.delta_bytes: d13 [P, 2I] and d2 [P, H] in bf16, each written once and read once; P = M*k = 2048*8
 M, K_TOP, H, I, BF16 = 2048, 8, 2048, 768, 2
 delta_bytes_guess = 2 * (M * K_TOP) * (2 * I + H) * BF16
+
+
+# 05.schedule_pick: rank 64 in layer.csv: two streams up to a few hundred tokens, in_k once the deltas are large
+fastest_guess = {128: "dual_stream", 512: "dual_stream", 2048: "in_k"}

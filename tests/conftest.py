@@ -73,10 +73,15 @@ def pytest_addoption(parser):
     )
 
 
+# Test modules whose module-scoped fixture starts process groups (tens of seconds under the interpreter): as one
+# unit they set it up once, where split over the workers each worker would set it up again.
+ONE_UNIT_MODULES = ("tests/test_dist.py", "tests/test_dist_inputs.py")
+
+
 class _NotebookOnOneWorker:
     """Under pytest-xdist (``-n N``): a notebook's cells share one kernel and run in
-    order, so each notebook goes to one worker as one unit; every other test is a
-    unit of its own, as under xdist's plain ``load``.
+    order, so each notebook goes to one worker as one unit, and so does each module of
+    ``ONE_UNIT_MODULES``; every other test is a unit of its own, as under xdist's plain ``load``.
     """
 
     @staticmethod
@@ -88,7 +93,7 @@ class _NotebookOnOneWorker:
         class NotebookScopes(LoadScopeScheduling):
             def _split_scope(self, nodeid: str) -> str:
                 path = nodeid.split("::", 1)[0]
-                return path if path.endswith(".ipynb") else nodeid
+                return path if path.endswith(".ipynb") or path in ONE_UNIT_MODULES else nodeid
 
         return NotebookScopes(config, log)
 

@@ -102,3 +102,22 @@ def test_layer_runs_on_the_inputs_gpu_not_the_current_one(schedule):
         assert torch.equal(got, want)
     ref = moelora_lab.moe_layer_reference(**p.layer_inputs())
     torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
+
+
+def test_optional_module_names_what_needs_it_and_how_to_install():
+    from moelora_lab._backend import optional_module
+    assert optional_module("json", needed_for="x", install="y").dumps([]) == "[]"
+    with pytest.raises(ImportError, match=r"^the thing needs no_such_pkg, which is not installed: pip install it$"):
+        optional_module("no_such_pkg.sub", needed_for="the thing", install="pip install it")
+
+
+def test_interpreter_breaks_with_numpy_2_4_under_triton_3_6(monkeypatch):
+    import importlib.metadata
+
+    import numpy as np
+
+    from moelora_lab._backend import interpreter_breaks
+    for triton, numpy, broken in (("3.6.0", "2.4.1", True), ("3.6.0", "2.3.5", False), ("3.7.1", "2.4.6", False)):
+        monkeypatch.setattr(importlib.metadata, "version", lambda name, t=triton: t)
+        monkeypatch.setattr(np, "__version__", numpy)
+        assert bool(interpreter_breaks()) == broken, (triton, numpy)

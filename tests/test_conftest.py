@@ -30,3 +30,12 @@ def test_a_notebooks_cells_run_on_one_worker_in_order(tmp_path):
         capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert "38 passed" in run.stdout, run.stdout[-2000:]
+
+
+def test_one_unit_modules_exist_and_share_a_module_fixture():
+    """The modules the scheduler keeps together are still there, and still set up a module-scoped fixture (else
+    the entry is stale and only costs balance)."""
+    from conftest import ONE_UNIT_MODULES
+    root = pathlib.Path(__file__).resolve().parents[1]
+    for path in ONE_UNIT_MODULES:
+        assert '@pytest.fixture(scope="module")' in (root / path).read_text(), path

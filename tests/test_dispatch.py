@@ -60,6 +60,7 @@ def test_decode_streams_k_in_long_steps_at_narrow_ranks_only():
         assert gpu_config("small_batch", 8, 8, n_out, slices, 132, rank=16).block_k == 128
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["one_shot", "two_kernel", "small_batch"])
 def test_every_rule_tile_against_the_reference(device, path):
     cases = {key: v for (p, key), v in rule_tiles(device).items() if p == path}

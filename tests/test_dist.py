@@ -41,12 +41,23 @@ CASES_4 = {
 }
 
 
-@pytest.fixture(scope="module")
-def results():
+def _interpreter_only():
     if not moelora_lab.INTERPRET:
         pytest.skip("the gloo cases run the kernels on CPU tensors, under the Triton interpreter; on a GPU "
                     "python -m moelora_lab.dist.bench checks the NCCL layers")
-    return {2: _run(CASES_2, 2), 4: _run(CASES_4, 4)}
+
+
+@pytest.fixture(scope="module")
+def results():
+    _interpreter_only()
+    return {2: _run(CASES_2, 2)}
+
+
+@pytest.fixture(scope="module")
+def results_4():
+    """Four processes (make test-slow): on two cores they share them, the longest setup of the suite."""
+    _interpreter_only()
+    return _run(CASES_4, 4)
 
 
 def _run(cases, world):
@@ -65,9 +76,10 @@ def test_two_processes_match_the_single_process_layer(results, name):
     _assert_close(results[2][name])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES_4))
-def test_four_processes_match_the_single_process_layer(results, name):
-    _assert_close(results[4][name])
+def test_four_processes_match_the_single_process_layer(results_4, name):
+    _assert_close(results_4[name])
 
 
 def test_uneven_loads_really_are_uneven(results):
@@ -76,7 +88,11 @@ def test_uneven_loads_really_are_uneven(results):
     assert empty["received"] == 0 and full["received"] == 7 * 2      # every pair goes to rank 1's experts
     home, idle = results[2]["ep_rank_receives_nothing"]
     assert idle["received"] == 0 and home["received"] == 10 * 2
-    assert [r["received"] for r in results[4]["ep_hot"]] == [0, 0, 18 * 2, 0]
+
+
+@pytest.mark.slow
+def test_a_hot_rank_of_four_receives_every_pair(results_4):
+    assert [r["received"] for r in results_4["ep_hot"]] == [0, 0, 18 * 2, 0]
 
 
 def test_tensor_parallel_ranks_agree_and_fully_sharded_holds_a_share(results):

@@ -318,3 +318,11 @@ def test_run_local_raises_at_once_when_the_processes_die_before_joining(tmp_path
     with pytest.raises(RuntimeError, match=r"rank [01]: the process exited with code 5"):     # whichever dies first
         run_local(dies_in_children.work, 2, timeout_s=60)
     assert time.monotonic() - start < 30
+
+
+def test_gloo_processes_refuse_an_interpreter_that_cannot_run(monkeypatch):
+    """Where the Triton interpreter cannot run (numpy >= 2.4 under triton 3.6), the CPU processes say so at once."""
+    import moelora_lab.dist.launch as launch
+    monkeypatch.setattr(launch, "interpreter_breaks", lambda: "numpy 9.9 breaks it")
+    with pytest.raises(RuntimeError, match=r"backend='gloo'.*numpy 9.9 breaks it"):
+        launch.run_local(divmod, 2)

@@ -139,3 +139,26 @@ def test_every_reference_prediction_follows_the_committed_data():
         assert r.passed, str(r)
     assert math.isclose(load_solution(EXERCISES["04.hidden"]), _hidden_truth(), rel_tol=1e-9)
     assert not EXERCISES["04.hidden"].check(0.21).passed
+
+
+def test_no_constant_schedule_passes_06_schedule():
+    """On the layer sweep the fastest schedule changes with M and r (two streams at small M, both LoRA ops in K at
+    large M, from an M that depends on r): every constant answer fails the check and scores clearly worse than the
+    reference rule, which reads both the tokens and the rank."""
+    from moelora_lab.plots.capstone import SCHEDULE_CHOICES, schedule_cases, score_rule
+    from moelora_lab.results import load
+
+    ex = EXERCISES["06.schedule"]
+    reference = load_solution(ex)
+    cases = schedule_cases(load("layer"))
+    ours = score_rule(reference, cases)
+    assert ex.check(reference).passed and len({c["best"] for c in cases}) >= 2
+    for choice in SCHEDULE_CHOICES:
+        r = ex.check(lambda case, choice=choice: choice)
+        assert r.done and not r.passed, f"the constant {choice!r} passed: {r}"
+        if all(choice in c["us"] for c in cases):
+            s = score_rule(lambda case, choice=choice: choice, cases)
+            assert s["mean"] >= ours["mean"] + 0.01 and s["worst"]["regret"] >= ours["worst"]["regret"] + 0.05
+    at = {(c["features"]["M"], c["features"]["rank"]): c["features"] for c in cases}
+    assert reference(at[512, 16]) != reference(at[512, 64])         # the rank moves the border
+    assert reference(at[1, 16]) != reference(at[8192, 16])          # and so do the tokens

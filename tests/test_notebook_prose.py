@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
+EVERY_NOTEBOOK = NOTEBOOKS + sorted((Path(__file__).parent.parent / "notebooks" / "appendix").glob("*.ipynb"))
 # a number followed by a unit: what a measurement or the byte model would print
 MEASURED = re.compile(r"\d[\d.,]*\s*(?:–\s*[\d.,]+\s*)?(µs|us\b|ms\b|%|×(?!\s*\d)|x\b(?!\s*\d)|TB/s|GB/s|TFLOP/s|GiB|MiB|KiB|MB\b|GB\b)")
 
@@ -24,7 +25,7 @@ def test_the_lab_has_its_notebooks():
                      "08_beyond_one_gpu"]
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", EVERY_NOTEBOOK, ids=lambda p: p.stem)
 def test_no_measured_number_in_markdown(path):
     found = []
     for i, text in cells(path, "markdown"):
@@ -34,7 +35,7 @@ def test_no_measured_number_in_markdown(path):
                        f"data or state them next to a claim() that checks them: {found}")
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", EVERY_NOTEBOOK, ids=lambda p: p.stem)
 def test_outputs_checked_by_nbval(path):
     checked = [i for i, text in cells(path, "code") if "# NBVAL_CHECK_OUTPUT" in text]
     assert len(checked) >= 3, f"{path.name}: only cells {checked} are compared by nbval; want at least 3"
@@ -49,8 +50,7 @@ def _claim_calls(path):
                 yield i, node
 
 
-@pytest.mark.parametrize("path", sorted((Path(__file__).parent.parent / "notebooks").rglob("*.ipynb")),
-                         ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", EVERY_NOTEBOOK, ids=lambda p: p.stem)
 def test_every_claim_can_fail(path):
     """A claim() checks its sentence against the data: its ``holds`` is an expression, never absent or a constant
     (a sentence that holds whatever the data says is printed with print())."""

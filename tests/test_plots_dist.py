@@ -7,8 +7,9 @@ import pytest
 from matplotlib.figure import Figure
 
 import moelora_lab  # noqa: F401  (first: it decides whether Triton kernels run on the interpreter)
-from moelora_lab.plots.dist import (draw_collective_model, draw_gpu_timeline, draw_parallel_dataflow, draw_stage_bars,
-                                    fit_link, gpu_lanes, kernel_kind, overlap_us, split_time, stage_times)
+from moelora_lab.plots.dist import (KIND_COLORS, draw_collective_model, draw_gpu_timeline, draw_parallel_dataflow,
+                                    draw_stage_bars, fit_link, gpu_lanes, kernel_kind, overlap_us, split_time,
+                                    stage_times, timeline_legend)
 
 
 def axes():
@@ -134,12 +135,39 @@ def test_draw_gpu_timeline_rows_and_window():
         draw_gpu_timeline(axes(), [])
 
 
+def texts_pt(ax):
+    """Font sizes (points) of every non-empty text an Axes draws: titles, labels, tick labels, texts."""
+    ax.figure.canvas.draw()
+    items = [ax.title, ax.xaxis.label, ax.yaxis.label, *ax.texts, *ax.get_xticklabels(), *ax.get_yticklabels()]
+    return [t.get_fontsize() for t in items if t.get_text() and t.get_visible()]
+
+
+def test_timeline_text_size_and_key():
+    ax = axes()
+    draw_gpu_timeline(ax, gpu_lanes(TRACES, 2), title="2 micro-batches", from_last_start=True)
+    assert min(texts_pt(ax)) >= 10
+    assert ax.get_legend() is None                     # the key sits outside the axes: it covers no bar
+    key = timeline_legend(gpu_lanes(TRACES, 1))        # NCCL and expert kernels only: no "other" entry
+    assert [h.get_facecolor() for h in key["handles"]] == \
+        [matplotlib.colors.to_rgba(KIND_COLORS[k]) for k in ("communication", "experts")]
+    assert key["labels"] == ["communication (NCCL)", "expert kernels (the lab's Triton)"] and key["fontsize"] >= 10
+    both = timeline_legend(gpu_lanes(TRACES, 1), gpu_lanes(TRACES, 2))
+    assert len(both["labels"]) == 3 and both["labels"][2].startswith("other")
+    bar = ax.collections[0]
+    assert both["handles"][0].get_linewidth() == bar.get_linewidth()[0]   # the key's outline is the bars'
+    with pytest.raises(ValueError, match="lane_lists"):
+        timeline_legend()
+    with pytest.raises(ValueError, match="no kernel records"):
+        timeline_legend([("GPU 0, stream 7", [])])
+
+
 def test_draw_parallel_dataflow():
     for kind in ("ep", "tp"):
         ax = axes()
         draw_parallel_dataflow(ax, kind, experts=4, tokens=2)
         texts = [t.get_text() for t in ax.texts]
         assert "GPU 0" in texts and "GPU 1" in texts
+        assert min(texts_pt(ax)) >= 10
     ep = axes()
     draw_parallel_dataflow(ep, "ep", experts=4, tokens=2)
     assert sum(t.get_text().startswith("expert ") for t in ep.texts) == 4           # each expert once, on its owner

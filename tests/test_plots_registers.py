@@ -274,6 +274,20 @@ def test_draw_register_tile_compiled_count_at_its_value():
     assert "255 + 116 spilled" in _texts(g) and g.get_xlim()[1] >= 255 + 116
 
 
+def test_draw_register_tile_names_hatching_only_where_it_is_drawn():
+    cases = {(252, 0, 256): None, (255, 116, 256): "hatched: spilled", (None, 0, 512): "hatched: past the cap",
+             (255, 28, 512): "hatched: past the cap / spilled"}
+    for (n_regs, n_spills, rank), words in cases.items():
+        ax = axes()
+        draw_register_tile(ax, 64, rank, max_block_r=512, n_regs=n_regs, n_spills=n_spills)
+        g, _ = _gauge(ax)
+        drawn = [p for p in g.patches if p.get_hatch()]
+        if words is None:
+            assert not drawn and "hatched" not in g.get_xlabel()
+        else:
+            assert drawn and words in g.get_xlabel()
+
+
 def test_draw_register_tile_shared_register_axis():
     ax = axes()
     draw_register_tile(ax, 64, 256, n_regs=252, registers_max=400)          # panels that compare: one axis

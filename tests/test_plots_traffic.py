@@ -16,7 +16,7 @@ from moelora_lab.plots.traffic import (
     draw_bytes_breakdown,
     draw_intermediate_share,
     draw_measured_vs_predicted,
-    draw_ratio_vs_predicted,
+    draw_ratio_vs_tokens,
     measured_vs_predicted,
     op_dims,
     ratio_points,
@@ -242,39 +242,24 @@ def test_ratio_points_on_the_committed_sweep_match_the_byte_model():
         assert p["two_kernel_bytes"] - p["one_shot_bytes"] == t["intermediate"]
 
 
-def test_draw_ratio_vs_predicted_encodes_m_rank_and_op():
+def test_draw_ratio_vs_tokens_draws_measured_and_predicted_per_rank():
     pts = [dict(op=op, rank=r, M=m, predicted=1 + 0.001 * m, measured=0.8 + 0.1 * m + 0.01 * r)
            for op in ("w13", "w2") for r in (16, 64) for m in (1, 8)]
     ax = axes()
-    draw_ratio_vs_predicted(ax, pts, highlight=("w2", 64, 8))
-    dots = [c for c in ax.collections if c.get_offsets().shape[0] == 1]
-    assert len(dots) == len(pts) + 1                                           # one marker per point + the ring
-    first = dots[0]
-    assert first.get_offsets()[0].tolist() == pytest.approx([1.001, 0.9 + 0.16])
-    assert first.get_facecolors().shape[0] == 1                                # w13: filled
-    w2 = dots[4]
-    assert w2.get_facecolors().shape[0] == 0 or w2.get_facecolors()[0][3] == 0  # w2: hollow
-    ring = dots[-1]
-    assert ring.get_offsets()[0].tolist() == pytest.approx([1.008, 0.8 + 0.8 + 0.64])
-    diag, = [line for line in ax.get_lines() if list(line.get_xdata()) == list(line.get_ydata())]
-    lo, hi = ax.get_xlim()
-    assert diag.get_xdata()[0] == pytest.approx(lo) and diag.get_xdata()[-1] == pytest.approx(hi)
-    assert lo < 1.001 and hi > 1.008 and hi < 1.01                             # cropped to the points
-    ylo, yhi = ax.get_ylim()
-    assert ylo < min(p["measured"] for p in pts) and yhi > max(p["measured"] for p in pts)
+    draw_ratio_vs_tokens(ax, pts, op="w2")
+    drawn = [line for line in ax.get_lines() if len(line.get_xdata())]
+    solid = [line for line in drawn if line.get_linestyle() == "-"]
+    dashed = [line for line in drawn if line.get_linestyle() == "--"]
+    assert [list(line.get_ydata()) for line in solid] == [pytest.approx([1.06, 1.76]), pytest.approx([1.54, 2.24])]
+    assert [list(line.get_ydata()) for line in dashed] == [pytest.approx([1.001, 1.008])] * 2
+    assert [line.get_color() for line in solid] == [line.get_color() for line in dashed]  # a rank's colour
+    assert any(line.get_linestyle() == ":" and list(line.get_ydata()) == [1, 1] for line in ax.get_lines())
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
-    assert {"M = 1", "M = 8", "r = 16", "r = 64", "w13 (filled)", "w2 (hollow)"} <= set(legend)
-    assert all(t.get_fontsize() >= 9 for t in ax.get_legend().get_texts())
-    assert "bytes" in ax.get_xlabel() and "time" in ax.get_ylabel()
-
-
-def test_draw_ratio_vs_predicted_rejects_bad_input():
-    pts = [dict(op="w13", rank=16, M=1, predicted=1.0, measured=1.2)]
-    with pytest.raises(ValueError, match="highlight"):
-        draw_ratio_vs_predicted(axes(), pts, highlight=("w2", 16, 1))
-    with pytest.raises(ValueError, match="measured"):
-        draw_ratio_vs_predicted(axes(), [dict(op="w13", rank=16, M=1, predicted=1.0)])
-    with pytest.raises(ValueError, match="ranks"):
-        draw_ratio_vs_predicted(axes(), [dict(pts[0], rank=r) for r in range(1, 9)])
-    with pytest.raises(TypeError, match="ax"):
-        draw_ratio_vs_predicted(Figure(), pts)
+    assert legend[:2] == ["r = 16", "r = 64"] and any("byte model" in t for t in legend)
+    texts = [*ax.get_legend().get_texts(), *ax.get_xticklabels(), *ax.get_yticklabels(), ax.xaxis.label, ax.yaxis.label]
+    assert all(t.get_fontsize() >= 10 for t in texts)
+    assert ax.get_title() == "w2" and ax.get_xscale() == "log"
+    with pytest.raises(ValueError, match="none for op"):
+        draw_ratio_vs_tokens(axes(), [p for p in pts if p["op"] == "w13"], op="w2")
+    with pytest.raises(ValueError, match="op"):
+        draw_ratio_vs_tokens(axes(), pts, op="w3")

@@ -69,6 +69,7 @@ def to(device, value):
     return value.to(device) if isinstance(value, torch.Tensor) else value
 
 
+@pytest.mark.slow
 @settings(max_examples=3 * BASE)
 @given(data=st.data())
 def test_every_path_matches_the_spec(device, data):

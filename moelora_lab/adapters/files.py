@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from .._backend import optional_module
+
 UNSUPPORTED = {"use_dora": "DoRA", "lora_bias": "LoRA biases", "use_qalora": "QALoRA", "use_bdlora": "BD-LoRA"}
 PEFT_DEFAULTS = {"r": 8, "lora_alpha": 8}       # LoraConfig's defaults, for a config that leaves them out
 INSTALL = 'pip install "moelora_lab[adapters]"'
@@ -22,12 +24,8 @@ INSTALL = 'pip install "moelora_lab[adapters]"'
 
 def safetensors_torch():
     """``safetensors.torch``, or an ImportError that names the extra to install."""
-    try:
-        import safetensors.torch
-    except ImportError as exc:
-        raise ImportError(f"moelora_lab.adapters reads and writes PEFT's adapter_model.safetensors with the "
-                          f"safetensors package, which is not installed: {INSTALL}") from exc
-    return safetensors.torch
+    return optional_module("safetensors.torch", install=INSTALL,
+                           needed_for="moelora_lab.adapters (PEFT's adapter_model.safetensors)")
 
 
 @dataclass

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .._backend import interpreter_breaks
 from ..validate import check_choice, check_int
 
 BACKENDS = ("gloo", "nccl")
@@ -125,6 +126,9 @@ def run_local(fn, world_size: int, *args, backend: str = "gloo", timeout_s: floa
     if backend == "nccl" and torch.cuda.device_count() < world_size:
         raise ValueError(f"world_size: {world_size} NCCL ranks need as many GPUs, this machine has "
                          f"{torch.cuda.device_count()}; use backend='gloo' on the CPU")
+    if backend == "gloo" and interpreter_breaks():
+        raise RuntimeError(f"backend='gloo': its processes run the kernels on the Triton interpreter, which cannot "
+                           f"run here: {interpreter_breaks()}; or use backend='nccl' with one GPU per process")
     if not callable(fn) or "<locals>" in getattr(fn, "__qualname__", "<locals>") or fn.__module__ == "__main__":
         raise TypeError("fn: must be a module-level function of an importable module (the processes are fresh "
                         "interpreters that import it by name), e.g. moelora_lab.dist.checks.ep_case")

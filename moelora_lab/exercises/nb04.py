@@ -210,7 +210,7 @@ def _grade_hidden(guess) -> Result:
     h = HIDDEN
     (row,) = [r for r in overlap_table(load_traces("layer_traces"))
               if (r["preset"], r["M"], r["rank"]) == (PRESET, h["M"], h["rank"])]
-    # 20%: a number from older timelines (0.21 against today's 0.27) must fail, not pass on a wide margin
+    # 20%: a value read from another table must fail, not pass on a wide margin
     return predict_result("04.hidden", guess, row["hidden"], rel=0.20,
                           explain=f"one stream {row['seq_us']:.0f} µs, two streams {row['dual_us']:.0f} µs, LoRA "
                                   f"alone {row['lora_seq_us']:.0f} µs: ({row['seq_us']:.0f} - {row['dual_us']:.0f}) "

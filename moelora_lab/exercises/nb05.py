@@ -1,4 +1,4 @@
-"""Exercises of notebook 05 (the join: folding the LoRA delta into the activation).
+"""Exercises of notebook 05 (where the LoRA goes: the folded join, the deltas' bytes, the schedule that wins).
 
 Shape legend: M tokens, k top-k, P = M*k pairs (p = t*k + j), L adapters, r rank, H hidden, I expert
 intermediate; token_lora [M] int32, -1 = no adapter; bf16 = 2 bytes, fp32 = 4.
@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from .core import Exercise, Result, compare, out_of_bounds_result, predict_result, register
+from ..layer.table import AUTO_CPU, AUTO_GPU, AUTO_LARGE, schedule_names
+from .core import Exercise, NotDone, Result, compare, out_of_bounds_result, predict_result, register
 from .memory import count_memory, excess
 
 PRESET = "qwen3-30b-a3b"
@@ -200,6 +201,50 @@ def fold_act_kernel(c1_ptr, delta_ptr, token_lora_ptr, tmp_ptr, h_ptr, top_k, I,
     tl.store(h_ptr + pair * I + cols, gate / (1.0 + tl.exp(-gate)) * up, mask=ok)
 '''
 
+
+# ---- 05.schedule_pick: which placement wins, from the committed layer sweep ----------------------------
+
+# the choices are the product rows of the schedule table: sequential, dual_stream, in_k
+PICK = dict(rank=64, Ms=(128, 512, 2048), choices=schedule_names("product"))
+
+
+def _grade_schedule_pick(guess) -> Result:
+    from ..results import load
+    from .core import revealing
+    p = PICK
+    if not isinstance(guess, dict) or set(guess) != set(p["Ms"]):
+        return Result(False, f"05.schedule_pick: expected a dict with one entry per M, {{{', '.join(f'{M}: ...' for M in p['Ms'])}}}, "
+                             f"got {guess!r}")
+    if any(v is None for v in guess.values()):
+        raise NotDone("some entries are still None: name a schedule for every M")
+    bad = [v for v in guess.values() if v not in p["choices"]]
+    if bad:
+        return Result(False, f"05.schedule_pick: {bad[0]!r} is not one of {', '.join(map(repr, p['choices']))}")
+    t = {(r["M"], r["variant"]): r["us_median"] for r in load("layer")
+         if r["preset"] == PRESET and r["rank"] == p["rank"]}
+    truth = {M: min(p["choices"], key=lambda v: t[M, v]) for M in p["Ms"]}
+    wrong = [M for M in p["Ms"] if guess[M] != truth[M]]
+    working = tuple(f"M = {M}: " + ", ".join(f"{v} {t[M, v] / t[M, 'no_lora']:.3f}x" for v in p["choices"])
+                    + f" of the no-LoRA layer: {truth[M]}" for M in p["Ms"])
+    if not wrong:
+        return Result(True, f"05.schedule_pick: all {len(p['Ms'])} right (layer.csv, rank {p['rank']})", working)
+    hints = {AUTO_CPU: "one stream runs the LoRA kernels after their GEMMs: nothing hides their time",
+             AUTO_GPU: "two streams hide the LoRA kernels under the GEMMs, but the deltas still make their "
+                       "round trip through HBM",
+             AUTO_LARGE: "in_k writes no delta, but its two shrinks run in series with the GEMMs and every pair "
+                         "multiplies through all L*r extra K columns"}
+    nudges = tuple(f"M = {M}: you said {guess[M]!r}; {hints[guess[M]]}" for M in wrong)
+    return Result(False, f"05.schedule_pick: {len(p['Ms']) - len(wrong)} of {len(p['Ms'])} right; not the fastest "
+                         f"at M = {', '.join(map(str, wrong))}", working if revealing() else (), nudges=nudges)
+
+
+PICK_STUB = '''\
+# qwen3-30b-a3b, rank 64, L = 4 adapters. Of "sequential" (the LoRA kernels after their GEMMs, deltas added at
+# the joins, one stream), "dual_stream" (the same kernels on a second stream) and "in_k" (both LoRA ops in their
+# GEMMs' K), which gives the fastest layer at M = 128, 512 and 2048 tokens? Write {M: "schedule"}, then check.
+fastest_guess = None
+'''
+
 register(
     Exercise("05.fold_join", "05_layer_design", "code", "the folded join in PyTorch: the delta only where "
              "there is an adapter", "silu_and_mul_fold", FOLD_JOIN_STUB, _grade_fold_join,
@@ -218,4 +263,10 @@ register(
              hint="P = M x k pairs, all with an adapter. d13 has P rows of 2I values, d2 P rows of H values, "
                   "2 bytes each. The folded join writes each once (the LoRA ops) and reads each once (the "
                   "activation, the top-k sum)."),
+    Exercise("05.schedule_pick", "05_layer_design", "predict", "which placement gives the fastest layer at rank 64",
+             "fastest_guess", PICK_STUB, _grade_schedule_pick,
+             hint="Weigh what each placement pays as M grows. A second stream hides the LoRA kernels' time under "
+                  "the base GEMMs while they leave the GPU room; the deltas' round trip grows with the pairs (your "
+                  "05.delta_bytes). in_k removes that round trip but puts two shrinks in series with the GEMMs and "
+                  "widens their K by L*r = 256 columns at rank 64: it pays only once the deltas outweigh that."),
 )

@@ -51,10 +51,13 @@ def build_speedups(rows) -> list[dict]:
     return out
 
 
-def draw_build_speedups(ax, rows) -> list[dict]:
+def draw_build_speedups(ax, rows, *, ops=None, font: int = FONT, rule_legend: bool = False,
+                        legend: bool = True) -> list[dict]:
     """Grouped bars: per case, every build's speed-up over the kernel as it was (1 = no change); the
-    rule's build is outlined. Returns the cases drawn (``build_speedups``)."""
-    cases = build_speedups(rows)
+    rule's build is outlined. ``ops``: the ops to draw (default: all); ``font``: the size of every text
+    (points); ``rule_legend``: a legend entry for the outline too; ``legend``: the legend under the Axes.
+    Returns the cases drawn (``build_speedups``)."""
+    cases = [c for c in build_speedups(rows) if ops is None or c["op"] in ops]
     names = [v for v in BUILD_STYLE if any(v in c for c in cases)]
     width = 0.8 / len(names)
     for i, v in enumerate(names):
@@ -65,15 +68,21 @@ def draw_build_speedups(ax, rows) -> list[dict]:
                        edgecolor="black" if c["rule"] == v else "none", linewidth=1.2)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(cases)))
+    small = font - 1 if font == FONT else font
     ax.set_xticklabels([f"{c['op']}\nr{c['rank']}\n{c['M']}" + ("\npacked" if c["b_layout"] == "n_fastest" else "")
-                        for c in cases], fontsize=FONT - 1)
-    ax.set_xlabel("op, rank, M (B as given unless packed)", fontsize=FONT)
-    ax.set_ylabel("speed-up over the kernel as it was", fontsize=FONT)
+                        for c in cases], fontsize=small)
+    ax.set_xlabel("op, rank, M (B as given unless packed)", fontsize=font)
+    ax.set_ylabel("speed-up over the kernel as it was", fontsize=font)
     ax.set_ylim(min(0.7, min(c[v] for c in cases for v in names if v in c) - 0.05), None)
-    ax.tick_params(labelsize=FONT)
-    ax.legend(handles=[Patch(color=BUILD_STYLE[v][0], label=BUILD_STYLE[v][1]) for v in names], fontsize=FONT,
-              loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3, frameon=False)
-    ax.set_title("One-shot builds (outlined: the one the rule launches)", fontsize=FONT + 1)
+    ax.tick_params(labelsize=font)
+    if legend:
+        handles = [Patch(color=BUILD_STYLE[v][0], label=BUILD_STYLE[v][1]) for v in names]
+        if rule_legend:
+            handles.append(Patch(facecolor="white", edgecolor="black", linewidth=1.2,
+                                 label="outlined: the build the rule launches"))
+        ax.legend(handles=handles, fontsize=font, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3,
+                  frameon=False)
+    ax.set_title("One-shot builds (outlined: the one the rule launches)", fontsize=font + 1)
     return cases
 
 
@@ -104,10 +113,11 @@ def chunk_table(rows, *, sms: int = FINGERPRINT_SMS) -> list[dict]:
     return out
 
 
-def draw_chunk_table(ax, rows) -> list[dict]:
+def draw_chunk_table(ax, rows, *, font: int = FONT, legend_font: int | None = None) -> list[dict]:
     """Per case of a chunk probe, the time of today's chunks (filled; hollow where the probe did not
     time them: the best it timed) and of the two-kernel path (crosses), over the time of the chunks
-    before (1 = no change), against the pairs. Returns ``chunk_table(rows)``."""
+    before (1 = no change), against the pairs; ``font``: the size of the labels (points), ``legend_font``: of
+    the legend (default one point less). Returns ``chunk_table(rows)``."""
     table = chunk_table(rows)
     colours = {64: "#1f77b4", 128: "#d62728"}
     for c in table:
@@ -118,12 +128,13 @@ def draw_chunk_table(ax, rows) -> list[dict]:
         ax.scatter(c["pairs"], c["two_kernel_us"] / c["before_us"], marker="x", s=22, color=colour, alpha=0.7)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("pairs (M · k)", fontsize=FONT)
-    ax.set_ylabel("time / the chunks before", fontsize=FONT)
-    ax.tick_params(labelsize=FONT)
+    ax.set_xlabel("pairs (M · k)", fontsize=font)
+    ax.set_ylabel("time / the chunks before", fontsize=font)
+    ax.tick_params(labelsize=font)
     handles = [ax.scatter([], [], color=colours[r], s=28, label=f"r = {r}: one-shot, chunks now") for r in colours]
-    handles.append(ax.scatter([], [], facecolor="none", edgecolor="gray", s=28, label="not timed: best timed"))
-    handles.append(ax.scatter([], [], marker="x", color="gray", s=22, label="two kernels"))
-    ax.legend(handles=handles, fontsize=FONT - 1, loc="upper left")
-    ax.set_title("One-shot N chunks: fewer programs, each re-reading A once", fontsize=FONT + 1)
+    handles.append(ax.scatter([], [], facecolor="none", edgecolor="gray", s=28,
+                              label="hollow: chunks now not timed, best timed (rank's colour)"))
+    handles.append(ax.scatter([], [], marker="x", color="gray", s=22, label="two kernels (rank's colour)"))
+    ax.legend(handles=handles, fontsize=font - 1 if legend_font is None else legend_font, loc="upper left")
+    ax.set_title("One-shot N chunks: fewer programs, each re-reading A once", fontsize=font + 1)
     return table

@@ -21,8 +21,10 @@ from ..validate import check_rows
 from .bench import check_ax
 
 PATH_CHOICES = ("one_shot", "two_kernel", "small_batch")
-# the rows a schedule rule chooses among: the op's LoRA kernels (one stream, two) and the LoRA inside the GEMMs
-SCHEDULE_CHOICES = tuple(name for name, row in SCHEDULES.items() if row.lora_paths is None or row.gemm_lora_tiles)
+# the rows a schedule rule chooses among: the op's LoRA kernels (one stream, two), both LoRA ops in the GEMMs' K
+# (from the weights packed for it) and the LoRA inside the GEMMs
+SCHEDULE_CHOICES = tuple(name for name, row in SCHEDULES.items()
+                         if row.lora_paths is None or row.gemm_lora_tiles or row.needs_pack)
 # the choice whose L*r limit ``fused_fits`` reports (the in-GEMM row of the choices)
 FITS_ROW = next(name for name in SCHEDULE_CHOICES if SCHEDULES[name].max_columns is not None)
 RULE_COLORS = ("#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#7f7f7f")
@@ -97,10 +99,12 @@ def auto_path(features: Mapping) -> str:
 
 
 def auto_schedule(features: Mapping) -> str:
-    """What ``schedule="auto"`` runs on a GPU for a schedule case, by the current rule (``layer.gpu_schedule``)."""
+    """What ``schedule="auto"`` runs on a GPU for a schedule case, by the current rule (``layer.gpu_schedule``),
+    given the weights packed for ``in_k`` (L*r columns), as the sweep's ``auto`` rows ran."""
     from ..layer.plan import gpu_schedule
 
-    return gpu_schedule(features["pairs"], features["num_experts"])
+    return gpu_schedule(features["pairs"], features["num_experts"],
+                        in_k_columns=features["loras"] * features["rank"])
 
 
 def case_name(features: Mapping) -> str:

@@ -22,6 +22,12 @@ STAGE_ORDER = ("dispatch", "experts", "experts[0]", "experts[1]", "combine", "ba
                "all_gather_T13", "expand_w13", "act", "base_w2", "lora_w2", "shrink_w2", "all_reduce_T2", "expand_w2",
                "sum", "all_reduce_y")
 FONT = 9
+READ_FONT = 10                     # points: the smallest text of the stage bars, timelines and dataflow
+BAR_FONT = READ_FONT               # points: every text of draw_stage_bars
+KIND_LABELS = {"communication": "communication (NCCL)", "experts": "expert kernels (the lab's Triton)",
+               "other": "other (PyTorch glue)"}
+TIMELINE_EDGE = dict(edgecolor="black", linewidth=0.3)        # the outline of a kernel bar and of its legend key
+COMPUTE_SHADES = ("#1f77b4", "#9ecae1")       # compute stages, alternating so that neighbours differ
 
 
 def _rows(name: str, rows, keys) -> list:
@@ -57,10 +63,12 @@ def split_time(stages: dict) -> dict:
 
 def draw_stage_bars(ax, rows, *, lora: str, M_per_rank: int, layers=LAYERS, rank: int = 0) -> None:
     """One horizontal bar per layer: its stages end to end (communication red, compute blue shades),
-    with the measured total as a black tick (stages of one rank, medians; ``tokens_layer`` in the label)."""
+    with the measured total as a black tick (stages of one rank, medians; ``tokens_layer`` in the label).
+    A stage is named inside its bar where the name fits; ``stage_legend`` gives the key."""
     _check_ax(ax)
     if not layers:
         raise ValueError("layers: expected at least one of " + ", ".join(LAYERS))
+    names = []                                    # (x centre, y, stage, width in µs, on a dark bar?)
     for y, layer in enumerate(layers):
         check_choice("layers", layer, LAYERS)
         stages = stage_times(rows, layer, lora=lora, M_per_rank=M_per_rank, rank=rank)
@@ -69,18 +77,36 @@ def draw_stage_bars(ax, rows, *, lora: str, M_per_rank: int, layers=LAYERS, rank
                          key=lambda k: STAGE_ORDER.index(k) if k in STAGE_ORDER else len(STAGE_ORDER))
         for i, (name, us) in enumerate((k, stages[k]) for k in ordered):
             comm = name in COMM_STAGES
-            ax.barh(y, us, left=x, color=KIND_COLORS["communication"] if comm else ("#1f77b4", "#6baed6")[i % 2],
+            ax.barh(y, us, left=x, color=KIND_COLORS["communication"] if comm else COMPUTE_SHADES[i % 2],
                     edgecolor="black", linewidth=0.4)
-            if us > 0.1 * stages["total"]:
-                ax.text(x + us / 2, y, name, ha="center", va="center", fontsize=FONT - 2, rotation=0,
-                        color="white" if comm else "black", clip_on=True)
+            names.append((x + us / 2, y, name, us, comm or i % 2 == 0))
             x += us
         ax.plot([stages["total"]] * 2, [y - 0.4, y + 0.4], color="black", linewidth=2)
     ax.set_yticks(range(len(layers)))
-    ax.set_yticklabels(layers, fontsize=FONT)
+    ax.set_yticklabels(layers, fontsize=BAR_FONT)
+    ax.tick_params(axis="x", labelsize=BAR_FONT)
     ax.invert_yaxis()
-    ax.set_xlabel("µs (stages end to end; black tick: the measured total)", fontsize=FONT)
-    ax.set_title(f"M = {M_per_rank} tokens per rank, LoRA {lora}", fontsize=FONT + 1)
+    ax.set_xlabel("µs, stages end to end", fontsize=BAR_FONT)
+    ax.set_title(f"M = {M_per_rank} tokens per rank, LoRA {lora}", fontsize=BAR_FONT + 1)
+    # a name goes inside its bar only where it fits: its width in points against the bar's
+    x0, x1 = ax.get_xlim()
+    axis_pt = ax.get_position().width * ax.figure.get_figwidth() * 72 * 0.95     # the layout takes a little
+    for xc, y, name, us, dark in names:
+        if us / (x1 - x0) * axis_pt > 0.58 * BAR_FONT * (len(name) + 1):
+            ax.text(xc, y, name, ha="center", va="center", fontsize=BAR_FONT, color="white" if dark else "black",
+                    clip_on=True)
+
+
+def stage_legend() -> dict:
+    """The key of ``draw_stage_bars`` (a collective, the compute stages in their two alternating shades,
+    the measured total) as keyword arguments: ``fig.legend(**stage_legend(), loc=...)``."""
+    from matplotlib.legend_handler import HandlerTuple
+    from matplotlib.lines import Line2D
+    box = lambda color: Rectangle((0, 0), 1, 1, facecolor=color, edgecolor="black", linewidth=0.4)
+    return dict(handles=[box(KIND_COLORS["communication"]), tuple(box(c) for c in COMPUTE_SHADES),
+                         Line2D([], [], color="black", linewidth=2)],
+                labels=["collective (NCCL)", "compute stages (two shades: one stage, the next)", "measured total"],
+                handler_map={tuple: HandlerTuple(ndivide=None, pad=0)})
 
 
 def fit_link(rows, *, op: str = "all_to_all") -> tuple[float, float]:
@@ -178,7 +204,7 @@ def draw_gpu_timeline(ax, lanes: list, *, title: str | None = None, from_last_st
     """One row per (GPU, CUDA stream), kernels as bars coloured by ``kernel_kind``, µs from the first
     kernel of any row (the GPUs share the host's clock). ``from_last_start``: time counts, and the
     view starts, from when the last GPU started (before that, the first GPU's NCCL kernel only waits
-    for its peer)."""
+    for its peer). The key is drawn apart, below or beside the axes: ``timeline_legend``."""
     _check_ax(ax)
     if not isinstance(lanes, list) or not lanes or not all(isinstance(x, tuple) and len(x) == 2 for x in lanes):
         raise ValueError("lanes: expected gpu_lanes' non-empty list of (label, records)")
@@ -198,18 +224,31 @@ def draw_gpu_timeline(ax, lanes: list, *, title: str | None = None, from_last_st
         for kind, color in KIND_COLORS.items():
             bars = [(r["start_us"] - t0, r["end_us"] - r["start_us"]) for r in recs if kernel_kind(r["name"]) == kind]
             if bars:
-                ax.broken_barh(bars, (y - 0.35, 0.7), facecolors=color, edgecolor="black", linewidth=0.3)
+                ax.broken_barh(bars, (y - 0.35, 0.7), facecolors=color, **TIMELINE_EDGE)
     if from_last_start:
         ax.set_xlim(lo, (end - t0) * 1.02)
     ax.set_yticks(range(len(lanes)))
-    ax.set_yticklabels([label for label, _ in lanes], fontsize=FONT)
+    ax.set_yticklabels([label for label, _ in lanes], fontsize=READ_FONT)
+    ax.tick_params(axis="x", labelsize=READ_FONT)
     ax.set_ylim(len(lanes) - 0.5, -0.5)
     ax.set_xlabel("µs from the last GPU's first kernel" if from_last_start else "µs from the first kernel",
-                  fontsize=FONT)
-    ax.legend([Rectangle((0, 0), 1, 1, facecolor=c, edgecolor="black") for c in KIND_COLORS.values()],
-              list(KIND_COLORS), fontsize=FONT - 1, loc="upper right")
+                  fontsize=READ_FONT)
     if title:
-        ax.set_title(title, fontsize=FONT + 1)
+        ax.set_title(title, fontsize=READ_FONT + 1)
+
+
+def timeline_legend(*lane_lists) -> dict:
+    """The key of ``draw_gpu_timeline``: one entry per kernel kind drawn in any of ``lane_lists`` (each
+    as ``gpu_lanes`` returns it), in the order of ``KIND_COLORS``, as keyword arguments:
+    ``fig.legend(**timeline_legend(lanes), loc="outside lower center")`` (below the axes, covering nothing)."""
+    if not lane_lists:
+        raise ValueError("lane_lists: expected at least one list of lanes (gpu_lanes' output)")
+    drawn = {kernel_kind(r["name"]) for lanes in lane_lists for _, recs in lanes for r in recs}
+    kinds = [k for k in KIND_COLORS if k in drawn]
+    if not kinds:
+        raise ValueError("lane_lists: no kernel records, so nothing to key")
+    return dict(handles=[Rectangle((0, 0), 1, 1, facecolor=KIND_COLORS[k], **TIMELINE_EDGE) for k in kinds],
+                labels=[KIND_LABELS[k] for k in kinds], fontsize=READ_FONT)
 
 
 def draw_parallel_dataflow(ax, kind: str, *, experts: int = 4, tokens: int = 3) -> None:
@@ -229,17 +268,17 @@ def draw_parallel_dataflow(ax, kind: str, *, experts: int = 4, tokens: int = 3) 
     for g in range(2):
         y0 = g * (T + 1.4)
         ax.add_patch(Rectangle((-0.3, y0 - 0.5), 10.6, T + 0.8, fill=False, linestyle=":", edgecolor="grey"))
-        ax.text(-0.2, y0 + T + 0.05, f"GPU {g}", fontsize=FONT, fontweight="bold")
+        ax.text(-0.2, y0 + T + 0.05, f"GPU {g}", fontsize=READ_FONT + 1, fontweight="bold")
         for t in range(T):
             ax.add_patch(Rectangle((0, y0 + t - 0.3), 1.4, 0.6, facecolor="#eeeeee", edgecolor="black"))
-            ax.text(0.7, y0 + t, f"token {g * T + t}", ha="center", va="center", fontsize=FONT - 2)
+            ax.text(0.7, y0 + t, f"token {g * T + t}", ha="center", va="center", fontsize=READ_FONT)
         own = range(g * E // 2, (g + 1) * E // 2) if kind == "ep" else range(E)
         for i, e in enumerate(own):
             n = len(own)
             ey = y0 + (T - 1) * (i + 0.5) / n
             label = f"expert {e}" if kind == "ep" else f"expert {e}, half {g}"
             ax.add_patch(Rectangle((5, ey - 0.25), 2.2, 0.5, facecolor=colors[e % 8], alpha=0.6, edgecolor="black"))
-            ax.text(6.1, ey, label, ha="center", va="center", fontsize=FONT - 2)
+            ax.text(6.1, ey, label, ha="center", va="center", fontsize=READ_FONT)
     if kind == "ep":
         for g in range(2):
             for t in range(T):
@@ -254,17 +293,17 @@ def draw_parallel_dataflow(ax, kind: str, *, experts: int = 4, tokens: int = 3) 
                                                  color=colors[e % 8], linestyle="--", linewidth=0.6,
                                                  connectionstyle="arc3,rad=-0.2"))
         ax.set_title("expert parallel: each token to its experts' owner (dispatch; bold: crosses GPUs)\n"
-                     "and back home (combine, dashed): two all-to-alls", fontsize=FONT)
+                     "and back home (combine, dashed): two all-to-alls", fontsize=READ_FONT + 1)
     else:
         for g in range(2):
             y = g * (T + 1.4) + (T - 1) / 2
             ax.add_patch(FancyArrowPatch((1.4, y), (5, y), arrowstyle="->", mutation_scale=10, color="black"))
-            ax.text(8.9, y, "partial y", ha="center", va="center", fontsize=FONT - 1)
+            ax.text(8.9, y, "partial y", ha="center", va="center", fontsize=READ_FONT)
         ax.add_patch(FancyArrowPatch((9.6, (T - 1) / 2), (9.6, T + 1.4 + (T - 1) / 2), arrowstyle="<->",
                                      mutation_scale=10, color="#d62728", linewidth=2))
-        ax.text(9.9, T + 0.2, "all-reduce", rotation=90, va="center", fontsize=FONT - 1, color="#d62728")
+        ax.text(9.9, T + 0.2, "all-reduce", rotation=90, va="center", fontsize=READ_FONT, color="#d62728")
         ax.set_title("tensor parallel: every GPU runs every token on its half of every expert;\n"
-                     "the partial outputs are summed (all-reduce)", fontsize=FONT)
+                     "the partial outputs are summed (all-reduce)", fontsize=READ_FONT + 1)
     for g in range(2):
         ax.text(9.0 if kind == "ep" else 8.9, g * (T + 1.4) - 0.45, "home" if kind == "ep" else "",
-                fontsize=FONT - 2, ha="center")
+                fontsize=READ_FONT, ha="center")

@@ -296,7 +296,9 @@ def draw_register_tile(ax, block_m: int, rank: int, *, max_block_r: int = 128, n
     g.set_yticks([y for y, _ in bars], [name for _, name in bars], fontsize=9)
     g.set_xlim(0, g_max)
     g.set_ylim(min(y for y, _ in bars) - 0.5, 1.5)
-    g.set_xlabel(f"32-bit registers per thread (cap {REGISTER_CAP} in red; hatched: spilled)", fontsize=9)
+    hatched = [what for what, drawn in (("past the cap", regs > REGISTER_CAP), ("spilled", spills > 0)) if drawn]
+    g.set_xlabel(f"32-bit registers per thread (cap {REGISTER_CAP} in red"
+                 + (f"; hatched: {' / '.join(hatched)})" if hatched else ")"), fontsize=9)
     g.spines[["top", "right"]].set_visible(False)
     ax.set_xlim(0, 1)
     ax.set_ylim(0, 1)

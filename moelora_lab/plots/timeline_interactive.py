@@ -23,6 +23,7 @@ from types import MappingProxyType
 
 from IPython.display import display
 
+from .._backend import optional_module
 from ..config import MoEShape
 from ..layer.table import SCHEDULES as ROWS
 from ..profile.profiler import kernel_label
@@ -48,12 +49,8 @@ INSTALL_HINT = "pip install -r requirements-cpu.txt (or `make venv`)"
 
 def _go():
     """``plotly.graph_objects``, imported on first use: moelora_lab imports without plotly."""
-    try:
-        import plotly.graph_objects as go
-    except ImportError as exc:
-        raise ImportError(f"the interactive timeline needs plotly (pinned in requirements-cpu.txt): "
-                          f"{INSTALL_HINT}, or pip install plotly") from exc
-    return go
+    return optional_module("plotly.graph_objects", needed_for="the interactive timeline",
+                           install=f"{INSTALL_HINT}, or pip install plotly")
 
 
 def _check_positive(name: str, value) -> float | None:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-import matplotlib as mpl
-from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from ..validate import check_choice, check_int, check_rows
@@ -232,48 +230,39 @@ def ratio_points(rows, *, preset: str) -> list[dict]:
 RANK_MARKERS = "osD^vP"
 
 
-def draw_ratio_vs_predicted(ax, points, *, highlight: tuple | None = None) -> None:
-    """Measured against predicted two-kernel / one-shot ratio (``ratio_points``), one marker per
-    (op, rank, M): colour = M, marker = rank, filled = w13, hollow = w2; the line y = x (time
-    follows bytes) and y = 1 (equal time). ``highlight`` = (op, rank, M) rings that point. Legends
-    sit outside the Axes, on the right."""
+RANK_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2")
+
+
+def draw_ratio_vs_tokens(ax, points, *, op: str, legend: bool = True, fontsize: int = 10) -> None:
+    """Two-kernel / one-shot ratio against M for one op (``ratio_points``): per rank (one colour) the
+    measured time ratio (solid, markers) and the byte model's ratio (dashed: time = bytes / bandwidth);
+    y = 1 (equal time) dotted; above 1 the fused kernel is faster. Every text is at least ``fontsize``
+    points; with ``legend`` the legend sits outside the Axes, on the right (without it,
+    ``ax.get_legend_handles_labels()`` gives its entries: the ranks, the two line styles, equal time)."""
     check_ax(ax)
-    points = check_rows("points", points, ("op", "rank", "M", "predicted", "measured"))
-    ms, ranks = sorted({p["M"] for p in points}), sorted({p["rank"] for p in points})
-    if len(ranks) > len(RANK_MARKERS):
-        raise ValueError(f"points: at most {len(RANK_MARKERS)} ranks can be told apart, got {ranks}")
-    cmap = mpl.colormaps["plasma"]
-    color = {m: cmap(0.85 * i / max(len(ms) - 1, 1)) for i, m in enumerate(ms)}
-    for p in points:
-        c = color[p["M"]]
-        ax.scatter(p["predicted"], p["measured"], s=46, marker=RANK_MARKERS[ranks.index(p["rank"])], linewidths=1.4,
-                   facecolors=c if p["op"] == "w13" else "none", edgecolors=c, zorder=3)
-    if highlight is not None:
-        hit = [p for p in points if (p["op"], p["rank"], p["M"]) == tuple(highlight)]
-        if not hit:
-            raise ValueError(f"highlight: no point {highlight!r}; points hold (op, rank, M) like "
-                             f"{(points[0]['op'], points[0]['rank'], points[0]['M'])!r}")
-        ax.scatter(hit[0]["predicted"], hit[0]["measured"], s=260, facecolors="none", edgecolors="#d62728",
-                   linewidths=2, zorder=4)
-    xs = [p["predicted"] for p in points]
-    ys = [p["measured"] for p in points]
-    lo_x, hi_x = min(xs), max(xs)
-    pad_x = 0.04 * max(hi_x - lo_x, 0.01)
-    ax.set_xlim(lo_x - pad_x, hi_x + pad_x)
-    lo, hi = min(ys + [lo_x]), max(ys + [hi_x])
-    ax.set_ylim(lo - 0.05 * (hi - lo), hi + 0.05 * (hi - lo))
-    ax.plot([lo_x - pad_x, hi_x + pad_x], [lo_x - pad_x, hi_x + pad_x], color="black", linewidth=1.2, zorder=2)
-    ax.axhline(1.0, color="gray", linewidth=1, linestyle=":", zorder=1)
-    ax.annotate("one-shot faster ↑\ntwo-kernel faster ↓", (1, 1), xycoords=("axes fraction", "data"),
-                xytext=(-4, 0), textcoords="offset points", ha="right", va="center", fontsize=9, color="dimgray")
-    ax.set_xlabel("predicted: two-kernel bytes / one-shot bytes (= 1 + T's write and read / one-shot bytes)")
-    ax.set_ylabel("measured: two-kernel time / one-shot time")
+    check_choice("op", op, OPS)
+    size = check_int("fontsize", fontsize, low=6)
+    points = [p for p in check_rows("points", points, ("op", "rank", "M", "predicted", "measured")) if p["op"] == op]
+    if not points:
+        raise ValueError(f"points: none for op {op!r}")
+    ranks = sorted({p["rank"] for p in points})
+    if len(ranks) > len(RANK_COLORS):
+        raise ValueError(f"points: at most {len(RANK_COLORS)} ranks can be told apart, got {ranks}")
+    for rank, color in zip(ranks, RANK_COLORS):
+        sel = sorted((p for p in points if p["rank"] == rank), key=lambda p: p["M"])
+        ms = [p["M"] for p in sel]
+        ax.plot(ms, [p["measured"] for p in sel], color=color, marker="o", markersize=6, lw=2, label=f"r = {rank}")
+        ax.plot(ms, [p["predicted"] for p in sel], color=color, linestyle="--", lw=1.5)
+    ax.axhline(1.0, color="gray", linewidth=1.2, linestyle=":", zorder=1)
+    for style, label in (("-", "measured: two-kernel time / one-shot time"),
+                         ("--", "byte model: two-kernel bytes / one-shot bytes")):
+        ax.plot([], [], color="black", linestyle=style, lw=2 if style == "-" else 1.5, label=label)
+    ax.plot([], [], color="gray", linestyle=":", lw=1.2, label="equal (1)")
+    tokens_axis(ax)
+    ax.set_xlabel("tokens M", fontsize=size)
+    ax.set_ylabel("two-kernel / one-shot  (> 1: one-shot faster)", fontsize=size)
+    ax.tick_params(labelsize=size)
+    ax.set_title(op, fontsize=size + 1)
     ax.grid(True, alpha=0.3)
-    handles = ([Line2D([], [], color="black", linewidth=1.2, label="y = x: time follows bytes"),
-                Line2D([], [], color="gray", linewidth=1, linestyle=":", label="equal time")]
-               + [Line2D([], [], linestyle="", marker="o", color=color[m], label=f"M = {m}") for m in ms]
-               + [Line2D([], [], linestyle="", marker=RANK_MARKERS[i], color="gray", label=f"r = {r}")
-                  for i, r in enumerate(ranks)]
-               + [Line2D([], [], linestyle="", marker="o", color="gray", label="w13 (filled)"),
-                  Line2D([], [], linestyle="", marker="o", markerfacecolor="none", color="gray", label="w2 (hollow)")])
-    ax.legend(handles=handles, fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
+    if legend:
+        ax.legend(fontsize=size, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)

@@ -14,7 +14,7 @@ flushed, interleaved rounds):
   <op>_grouped_mm                 ``torch._grouped_mm`` on pre-grouped rows
 
 The ordered routing changes the order and the padding at once: divide each time by the rows the GEMM computes
-(``rows_computed``: ``moe.rows_computed``, also in notebook 05, section 4) to tell them apart. On a GPU, from the repository root:
+(``rows_computed``: ``moe.rows_computed``, also in appendix A1, section 4) to tell them apart. On a GPU, from the repository root:
 
     PYTHONPATH=. OUT=/tmp/probe python scripts/probes/gemm_rows.py [--tokens 2048 8192] [--presets ...]
 

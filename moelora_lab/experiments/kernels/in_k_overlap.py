@@ -21,7 +21,7 @@ from M = 512 on: one launch has one set of resources, so every shrink program re
 pipeline buffers (at large M about 192 KiB of shared memory, one program per SM, where the shrink alone
 runs six or more per SM) and the shrink, bound by the latency of its row gathers, runs slower; its
 programs hold the SMs first and the GEMM tiles follow, so nothing overlaps. Kept as the measured
-experiment notebook 05 reads, not used by any schedule.
+experiment appendix A1 (section 7) reads, not used by any schedule.
 """
 import triton
 import triton.language as tl
