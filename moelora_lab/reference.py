@@ -1,4 +1,4 @@
-"""The spec: naive PyTorch MoE-LoRA, accumulating in float32.
+"""The spec: naive PyTorch MoE-LoRA, accumulating in float32 (float64 inputs: in float64).
 
 Shape legend: M tokens, E experts, k top-k, L adapters, r rank, K in, N out, S slices,
 H hidden, I expert intermediate; pair p = t*k + j.
@@ -12,14 +12,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .validate import check_layer_base, check_op_inputs
+from .validate import SPEC_DTYPES, check_layer_base, check_op_inputs
 
+
+
+def _acc(x: torch.Tensor) -> torch.dtype:
+    """The accumulation dtype: float32, or float64 for float64 inputs (the gradient checks)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 def moe_lora_reference_loop(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, *, mul_routed_weight=False):
     """One pair at a time: out[t, j, s*N:(s+1)*N] = w? * B_s[l, e] @ (A_s[l, e] @ x_row)."""
     M, k, L, E, r, K, N, S = check_op_inputs(x, topk_ids, topk_weights, token_lora, lora_a, lora_b,
-                                             mul_routed_weight=mul_routed_weight)
-    out = torch.zeros(M, k, S * N, dtype=torch.float32, device=x.device)
+                                             mul_routed_weight=mul_routed_weight, dtypes=SPEC_DTYPES)
+    acc = _acc(x)
+    out = torch.zeros(M, k, S * N, dtype=acc, device=x.device)
     pair_rows = x.shape[0] == M * k and k > 1
     for t in range(M):
         l = int(token_lora[t])
@@ -29,8 +35,8 @@ def moe_lora_reference_loop(x, topk_ids, topk_weights, token_lora, lora_a, lora_
             e = int(topk_ids[t, j])
             row = x[t * k + j] if pair_rows else x[t]    # [K]
             for s in range(S):
-                shrunk = lora_a[s][l, e].float() @ row.float()          # [r]
-                delta = lora_b[s][l, e].float() @ shrunk                # [N]
+                shrunk = lora_a[s][l, e].to(acc) @ row.to(acc)          # [r]
+                delta = lora_b[s][l, e].to(acc) @ shrunk                # [N]
                 if mul_routed_weight:
                     delta = delta * float(topk_weights[t, j])
                 out[t, j, s * N:(s + 1) * N] = delta
@@ -44,22 +50,23 @@ def moe_lora_reference(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, *,
     (pair rows, the w2 input). With k == 1 the two coincide.
     """
     M, k, L, E, r, K, N, S = check_op_inputs(x, topk_ids, topk_weights, token_lora, lora_a, lora_b,
-                                             mul_routed_weight=mul_routed_weight)
-    out = torch.zeros(M * k, S * N, dtype=torch.float32, device=x.device)
+                                             mul_routed_weight=mul_routed_weight, dtypes=SPEC_DTYPES)
+    acc = _acc(x)
+    out = torch.zeros(M * k, S * N, dtype=acc, device=x.device)
     pair_lora = token_lora.long().repeat_interleave(k)          # [M*k]
     pair_expert = topk_ids.reshape(-1).long()                   # [M*k]
     rows = torch.arange(M * k, device=x.device)
     src = rows if x.shape[0] == M * k else rows // k            # row of x read by each pair
     key = torch.where(pair_lora >= 0, pair_lora * E + pair_expert, torch.full_like(pair_lora, -1))
-    weight = topk_weights.reshape(-1).float() if mul_routed_weight else None
+    weight = topk_weights.reshape(-1).to(acc) if mul_routed_weight else None
     for g in torch.unique(key).tolist():                        # one matmul per (adapter, expert)
         if g < 0:
             continue
         l, e = divmod(g, E)
         sel = (key == g).nonzero().squeeze(1)                   # [n] pairs of this group
-        xs = x[src[sel]].float()                                # [n, K]
+        xs = x[src[sel]].to(acc)                                # [n, K]
         for s in range(S):
-            delta = (xs @ lora_a[s][l, e].float().T) @ lora_b[s][l, e].float().T   # [n, N]
+            delta = (xs @ lora_a[s][l, e].to(acc).T) @ lora_b[s][l, e].to(acc).T   # [n, N]
             if weight is not None:
                 delta = delta * weight[sel, None]
             out[sel, s * N:(s + 1) * N] = delta
@@ -69,19 +76,20 @@ def moe_lora_reference(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, *,
 def moe_layer_reference_loop(x, topk_ids, topk_weights, token_lora, w13, w2,
                              w13_lora_a, w13_lora_b, w2_lora_a, w2_lora_b):
     """The whole layer, one pair at a time: y_t = sum_j w_tj (W2_e + B2 A2) h_tj, [M, H] float32."""
-    E, H, I = check_layer_base(x, topk_ids, w13, w2)
+    E, H, I = check_layer_base(x, topk_ids, w13, w2, dtypes=SPEC_DTYPES)
+    acc = _acc(x)
     M, k = topk_ids.shape
     lora13 = moe_lora_reference_loop(x, topk_ids, topk_weights, token_lora, w13_lora_a, w13_lora_b)
-    y = torch.zeros(M, H, dtype=torch.float32, device=x.device)
+    y = torch.zeros(M, H, dtype=acc, device=x.device)
     for t in range(M):
         for j in range(k):
             e = int(topk_ids[t, j])
-            c1 = w13[e].float() @ x[t].float() + lora13[t, j]        # [2I] gate | up
+            c1 = w13[e].to(acc) @ x[t].to(acc) + lora13[t, j]        # [2I] gate | up
             h = F.silu(c1[:I]) * c1[I:]                             # [I]
-            c3 = w2[e].float() @ h                                   # [H]
+            c3 = w2[e].to(acc) @ h                                   # [H]
             l = int(token_lora[t])
             if l >= 0:
-                c3 = c3 + w2_lora_b[0][l, e].float() @ (w2_lora_a[0][l, e].float() @ h)
+                c3 = c3 + w2_lora_b[0][l, e].to(acc) @ (w2_lora_a[0][l, e].to(acc) @ h)
             y[t] += float(topk_weights[t, j]) * c3
     return y
 
@@ -93,21 +101,22 @@ def moe_layer_reference(x, topk_ids, topk_weights, token_lora, w13, w2,
     c1 = W13[e] x_t + LoRA13 (no routing weight);  h = silu(gate) * up;
     c3 = w_tj * (W2[e] h + LoRA2 h);  y_t = sum_j c3[t, j].
     """
-    E, H, I = check_layer_base(x, topk_ids, w13, w2)
+    E, H, I = check_layer_base(x, topk_ids, w13, w2, dtypes=SPEC_DTYPES)
+    acc = _acc(x)
     M, k = topk_ids.shape
     experts = topk_ids.reshape(-1).long()                                       # [M*k]
-    xs = x.float().repeat_interleave(k, dim=0)                                  # [M*k, H]
-    c1 = torch.zeros(M * k, 2 * I, dtype=torch.float32, device=x.device)
+    xs = x.to(acc).repeat_interleave(k, dim=0)                                  # [M*k, H]
+    c1 = torch.zeros(M * k, 2 * I, dtype=acc, device=x.device)
     for e in torch.unique(experts).tolist():                                    # grouped base GEMM
         sel = experts == e
-        c1[sel] = xs[sel] @ w13[e].float().T
+        c1[sel] = xs[sel] @ w13[e].to(acc).T
     c1 += moe_lora_reference(x, topk_ids, topk_weights, token_lora, w13_lora_a, w13_lora_b).view(M * k, 2 * I)
     h = F.silu(c1[:, :I]) * c1[:, I:]                                           # [M*k, I]
-    c3 = torch.zeros(M * k, H, dtype=torch.float32, device=x.device)
+    c3 = torch.zeros(M * k, H, dtype=acc, device=x.device)
     for e in torch.unique(experts).tolist():
         sel = experts == e
-        c3[sel] = h[sel] @ w2[e].float().T
-    c3 = c3 * topk_weights.reshape(-1, 1).float()
+        c3[sel] = h[sel] @ w2[e].to(acc).T
+    c3 = c3 * topk_weights.reshape(-1, 1).to(acc)
     c3 += moe_lora_reference(h, topk_ids, topk_weights, token_lora, w2_lora_a, w2_lora_b,
                              mul_routed_weight=True).view(M * k, H)
     return c3.view(M, k, H).sum(dim=1)

@@ -18,7 +18,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from ..blocks import BlockList, LayerPlan
-from .basic import (FLOAT_DTYPES, INDEX_DTYPES, check_bool, check_choice, check_int, check_no_overlap,  # noqa: F401
+from .basic import (FLOAT_DTYPES, INDEX_DTYPES, SPEC_DTYPES, check_bool, check_choice, check_int, check_no_overlap,  # noqa: F401
                     check_no_self_overlap, check_range, check_rows, check_same_device, check_tensor, check_values)
 
 
@@ -36,16 +36,17 @@ def routing_ranges(topk_ids, token_lora, num_experts: int, num_loras: int) -> li
 
 
 def check_routing(topk_ids, token_lora, num_experts: int, num_loras: int, topk_weights=None, *,
-                  values: bool = True) -> tuple[int, int]:
+                  values: bool = True, dtypes: tuple = FLOAT_DTYPES) -> tuple[int, int]:
     """Validate the routing tensors shared by every public op; returns (M, k).
 
-    ``values=False`` checks shapes, dtypes and devices only (no device synchronisation).
+    ``values=False`` checks shapes, dtypes and devices only (no device synchronisation); ``dtypes``: those
+    accepted for topk_weights.
     """
     check_tensor("topk_ids", topk_ids, ndim=2, dtypes=INDEX_DTYPES, legend="[M, k]")
     M, k = topk_ids.shape
     check_tensor("token_lora", token_lora, dtypes=INDEX_DTYPES, shape=(M,), legend="[M] (one adapter slot per token)")
     if topk_weights is not None:
-        check_tensor("topk_weights", topk_weights, dtypes=FLOAT_DTYPES, shape=(M, k),
+        check_tensor("topk_weights", topk_weights, dtypes=dtypes, shape=(M, k),
                      legend="[M, k] (same shape as topk_ids)")
     check_same_device(topk_ids=topk_ids, token_lora=token_lora, topk_weights=topk_weights)
     if values:
@@ -102,7 +103,8 @@ def check_plan(plan, topk_ids, token_lora, num_experts: int, num_loras: int | No
 
 def check_lora_weights(lora_a, lora_b, num_experts: int | None = None, in_features: int | None = None, *,
                        dtype: torch.dtype | None = None, x: torch.Tensor | None = None,
-                       inputs: str = "x has {} features (dim 1)", names: tuple[str, str] = ("lora_a", "lora_b")):
+                       inputs: str = "x has {} features (dim 1)", names: tuple[str, str] = ("lora_a", "lora_b"),
+                       dtypes: tuple = FLOAT_DTYPES):
     """Validate S slices of A [L, E, r, K] and B [L, E, N, r]; returns (L, E, r, K, N, S).
 
     ``in_features`` is the K the weights must expect and ``inputs`` names whose width it is (formatted with
@@ -116,12 +118,12 @@ def check_lora_weights(lora_a, lora_b, num_experts: int | None = None, in_featur
                             f"got {type(ws).__name__}")
     if len(lora_a) != len(lora_b):
         raise ValueError(f"{na} and {nb}: got {len(lora_a)} and {len(lora_b)} slices; they must match")
-    first = check_tensor(f"{na}[0]", lora_a[0], ndim=4, dtypes=FLOAT_DTYPES, legend="[L, E, r, K]")
+    first = check_tensor(f"{na}[0]", lora_a[0], ndim=4, dtypes=dtypes, legend="[L, E, r, K]")
     if dtype is not None and first.dtype != dtype:
         raise TypeError(f"{na}[0]: dtype {first.dtype} must equal x's dtype {dtype}; cast the weights once, "
                         "when they are loaded")
     L, E, r, K = first.shape
-    N = check_tensor(f"{nb}[0]", lora_b[0], ndim=4, dtypes=FLOAT_DTYPES, legend="[L, E, N, r]").shape[2]
+    N = check_tensor(f"{nb}[0]", lora_b[0], ndim=4, dtypes=dtypes, legend="[L, E, N, r]").shape[2]
     for s, (a, b) in enumerate(zip(lora_a, lora_b)):
         check_tensor(f"{na}[{s}]", a, ndim=4, legend="[L, E, r, K]")
         check_tensor(f"{nb}[{s}]", b, ndim=4, legend="[L, E, N, r]")
@@ -167,17 +169,18 @@ class OpDims(NamedTuple):
 
 
 def check_op_inputs(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, *, mul_routed_weight: bool = False,
-                    values: bool = True, same_dtype: bool = False) -> OpDims:
+                    values: bool = True, same_dtype: bool = False, dtypes: tuple = FLOAT_DTYPES) -> OpDims:
     """Validate the LoRA op's tensors (``values=False``: no id-range checks, no synchronisation;
-    ``same_dtype``: the weights must be in x's dtype, as the kernels need)."""
+    ``same_dtype``: the weights must be in x's dtype, as the kernels need; ``dtypes``: the float dtypes
+    accepted, ``SPEC_DTYPES`` for the specs)."""
     check_bool("mul_routed_weight", mul_routed_weight)
-    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES, legend="[M, K] token rows or [M*k, K] pair rows")
+    check_tensor("x", x, ndim=2, dtypes=dtypes, legend="[M, K] token rows or [M*k, K] pair rows")
     L, E, r, K, N, S = check_lora_weights(lora_a, lora_b, in_features=x.shape[1], dtype=x.dtype if same_dtype else None,
-                                          x=x)
+                                          x=x, dtypes=dtypes)
     if mul_routed_weight and topk_weights is None:
         raise ValueError("topk_weights: required with mul_routed_weight=True (each pair's delta is scaled by its "
                          "routing weight); pass the [M, k] weights or set mul_routed_weight=False")
-    M, k = check_routing(topk_ids, token_lora, E, L, topk_weights, values=values)
+    M, k = check_routing(topk_ids, token_lora, E, L, topk_weights, values=values, dtypes=dtypes)
     if x.shape[0] not in (M, M * k):
         raise ValueError(f"x: has {x.shape[0]} rows; expected M={M} (token rows) or M*k={M * k} (pair rows)")
     check_same_device(x=x, topk_ids=topk_ids, **{"lora_a[0]": lora_a[0]})
@@ -222,15 +225,16 @@ class LayerDims(NamedTuple):
     r: int | None
 
 
-def check_layer_base(x, topk_ids, w13, w2, *, same_dtype: bool = False) -> tuple[int, int, int]:
+def check_layer_base(x, topk_ids, w13, w2, *, same_dtype: bool = False,
+                     dtypes: tuple = FLOAT_DTYPES) -> tuple[int, int, int]:
     """x [M, H], topk_ids [M, k], w13 [E, 2I, H], w2 [E, H, I]; returns (E, H, I)."""
-    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES, legend="[M, H]")
-    check_tensor("w13", w13, ndim=3, dtypes=(x.dtype,) if same_dtype else FLOAT_DTYPES,
+    check_tensor("x", x, ndim=2, dtypes=dtypes, legend="[M, H]")
+    check_tensor("w13", w13, ndim=3, dtypes=(x.dtype,) if same_dtype else dtypes,
                  legend="[E, 2I, H]" + (" in x's dtype" if same_dtype else ""))
     E, two_i, H = w13.shape
     if two_i % 2:
         raise ValueError(f"w13: dim 1 must be 2*I (gate and up stacked), got {two_i}")
-    check_tensor("w2", w2, dtypes=(x.dtype,) if same_dtype else FLOAT_DTYPES, shape=(E, H, two_i // 2),
+    check_tensor("w2", w2, dtypes=(x.dtype,) if same_dtype else dtypes, shape=(E, H, two_i // 2),
                  legend="[E, H, I]" + (" in x's dtype" if same_dtype else ""))
     if x.shape[1] != H:
         raise ValueError(f"x: has {x.shape[1]} features but w13 expects H={H}")
