@@ -4,7 +4,8 @@
 #                          NVIDIA GPU, torch's CPU build (scripts/torch_source.py prints which build and why)
 #   make lab            -> JupyterLab on notebooks/   (make lab PORT=8890 LAB_ARGS=--no-browser)
 #   make test           -> the exercises (solutions pass, stubs fail), then pytest on tests/ and the notebooks (nbval, lax mode)
-#   make test-slow      -> the exhaustive interpreter sweeps make test leaves out (every rule tile, the property fuzz, 4 processes)
+#   make test-slow      -> what make test leaves out: the exhaustive interpreter sweeps (every rule tile, the property
+#                          fuzz, 4 processes) and two long end-to-end runs (the kernels bench pipeline, xdist on a notebook)
 #   make test-triton36  -> the kernel tests again under triton 3.6.0 (its own venv, .venv-triton36/)
 #   make test-browser   -> every notebook in JupyterLab in headless Chromium: run all, move every explorer's
 #                          controls, check what the page shows (installs Debian chromium if missing)
@@ -36,7 +37,7 @@ NOTEBOOKS  := $(wildcard notebooks/*.ipynb notebooks/appendix/*.ipynb)
 KERNEL_TESTS := tests/test_ops.py tests/test_dispatch.py tests/test_layer.py tests/test_moe.py tests/test_align.py tests/test_validate.py \
                 tests/test_paths.py tests/test_streams.py tests/test_properties.py tests/test_compile.py \
                 tests/test_exercises.py tests/test_dist.py tests/test_layer_in_k.py tests/test_guarantees.py \
-                tests/test_experiments_in_gemm.py tests/test_experiments_in_join.py
+                tests/test_experiments_in_gemm.py tests/test_experiments_in_join.py tests/test_op_grad.py tests/test_layer_grad.py
 
 # `make test-browser`: Debian's chromium and chromium-driver (apt-get, as root or through sudo; selenium
 # comes with the venv); BROWSER_NOTEBOOKS picks notebooks (default: all of notebooks/, the appendix included).

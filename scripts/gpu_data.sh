@@ -48,8 +48,8 @@ for step in "${steps[@]}"; do
     tests)
       echo "== $(date +%T) tests"
       { echo "# $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1); code $MOELORA_CODE_VERSION; $(date -I)"
-        echo "# python -m pytest tests --gpu -q -p no:cacheprovider -n ${TEST_WORKERS:-8}"
-        $PY -m pytest tests --gpu -q -p no:cacheprovider -n "${TEST_WORKERS:-8}" 2>&1; } > "$OUT/gpu_tests.log"
+        echo "# python -m pytest tests --gpu -v -p no:cacheprovider -n ${TEST_WORKERS:-8}"
+        $PY -m pytest tests --gpu -v -p no:cacheprovider -n "${TEST_WORKERS:-8}" 2>&1; } > "$OUT/gpu_tests.log"
       tail -n 3 "$OUT/gpu_tests.log" ;;
     *) echo "unknown step $step (steps: ${ALL_STEPS[*]})"; exit 2 ;;
   esac

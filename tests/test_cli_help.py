@@ -11,6 +11,7 @@ from moelora_lab.bench import cli as bench_cli
 from moelora_lab.dist import bench as dist_bench
 from moelora_lab.exercises import __main__ as exercises_cli
 from moelora_lab.profile import trace_events
+from moelora_lab.train import __main__ as train_cli
 
 PACKAGE = Path(moelora_lab.__file__).parent
 # module (as `python -m` names it) -> (its parser, whether it needs a CUDA GPU)
@@ -19,6 +20,7 @@ CLIS = {
     "moelora_lab.dist.bench": (dist_bench.build_parser, True),
     "moelora_lab.exercises": (exercises_cli.build_parser, False),
     "moelora_lab.profile.trace_events": (trace_events.build_parser, False),
+    "moelora_lab.train": (train_cli.build_parser, False),
 }
 
 

@@ -11,6 +11,7 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_a_notebooks_cells_run_on_one_worker_in_order(tmp_path):
     pytest.importorskip("xdist")
     pytest.importorskip("nbval")

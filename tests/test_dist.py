@@ -183,7 +183,9 @@ def test_run_local_results_travel_as_bytes_and_come_back_on_the_cpu():
     assert torch.equal(back["y"], value["y"])
 
 
-def test_run_local_reports_the_failing_rank_and_rejects_local_functions():
+def test_run_local_reports_the_failing_rank_and_rejects_local_functions(monkeypatch):
+    import moelora_lab.dist.launch as launch
+    monkeypatch.setattr(launch, "interpreter_breaks", lambda: "")     # the workers run no kernel
     with pytest.raises(RuntimeError, match="rank 1:(.|\n)*ValueError: rank one fails"):
         run_local(dist_workers.fail_on_one, 2, timeout_s=120)
     with pytest.raises(TypeError, match="module-level function"):
@@ -195,6 +197,9 @@ def test_run_local_reports_the_failing_rank_and_rejects_local_functions():
 def test_gloo_processes_run_the_kernels_on_the_interpreter_whatever_the_parent_says(monkeypatch):
     """gloo works on CPU tensors: its processes use the interpreter even where a GPU is visible (a notebook
     on a one-GPU machine), and the parent's environment is left as it was."""
+    from moelora_lab._backend import interpreter_breaks
+    if interpreter_breaks():
+        pytest.skip(f"the interpreter cannot run here ({interpreter_breaks()}); the refusal has its own test")
     monkeypatch.setenv("MOELORA_INTERPRET", "0")
     assert run_local(dist_workers.interpreter_state, 2, threads=1) == [(True, "1"), (True, "1")]
     assert os.environ["MOELORA_INTERPRET"] == "0"

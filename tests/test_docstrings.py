@@ -19,6 +19,7 @@ import pytest
 # (module, function): every public entry point a newcomer calls first
 FUNCTIONS = [
     ("moelora_lab.op.face", "moe_lora"), ("moelora_lab.op.face", "pack_lora_b"),
+    ("moelora_lab.op.grad", "moe_lora_backward"),
     ("moelora_lab.layer.face", "moe_lora_layer"), ("moelora_lab.layer.plan", "plan_layer"),
     ("moelora_lab.layer.in_k_pack", "pack_in_k"), ("moelora_lab.routing.host", "block_list"),
     ("moelora_lab.routing.host", "route"), ("moelora_lab.config", "make_problem"),

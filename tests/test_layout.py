@@ -12,7 +12,7 @@ FLOORS = [
     {"routing"},
     {"op", "base_moe", "config"},
     {"layer"},
-    {"experiments", "adapters", "dist"},
+    {"experiments", "adapters", "dist", "train"},
     {"profile", "results"},
     {"bench", "plots", "exercises", "lesson", "summary"},
 ]

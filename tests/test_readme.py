@@ -22,6 +22,7 @@ CPU_COMMANDS = {
     "python -m moelora_lab.exercises list",
     "python -m moelora_lab.bench --help",
     "python -m moelora_lab.summary",
+    "python -m moelora_lab.train --layer reference",
 }
 # the README's commands that need a CUDA GPU (one, or several for the distributed benchmark): on a machine
 # without one they must stop at once, saying so

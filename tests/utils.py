@@ -109,7 +109,9 @@ def strided_inputs(inputs: dict, how: str) -> dict:
 class poisoned_allocations:
     """Inside the block, every tensor made by torch.empty, torch.empty_like or Tensor.new_empty starts
     filled with NaN (floats) or a sentinel (ints): a kernel that reads a buffer before writing it, or
-    reads memory it never wrote, shows it."""
+    reads memory it never wrote, shows it. On CUDA the fill is a kernel on the stream current at the
+    allocation: work on another stream sees it only after an event recorded there after the allocation
+    (the layer's side stream waits on one)."""
 
     def __enter__(self):
         self.saved = torch.empty, torch.empty_like, torch.Tensor.new_empty

@@ -89,7 +89,9 @@ def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=No
     Returns
     -------
     torch.Tensor
-        y [M, H] in x's dtype.
+        y [M, H] in x's dtype. Differentiable: where grad mode is on and x, topk_weights or a LoRA factor
+        requires grad, the call runs inside ``moelora_lab.layer.grad.MoELoRALayerFunction`` (gradients to
+        those; w13 and w2 are frozen: a ValueError if they require grad; the experiment schedules refuse).
 
     Examples
     --------
@@ -127,6 +129,12 @@ def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=No
                          "MOELORA_INTERPRET=1 before importing moelora_lab to run them on the CPU")
     if INTERPRET and x.dtype == torch.bfloat16:
         raise TypeError("x: bfloat16 is mis-computed by the Triton interpreter; use float32 or float16 on the CPU")
+    if torch.is_grad_enabled() and _wants_grad(x, topk_weights, w13, w2, w13_lora_a, w13_lora_b, w2_lora_a, w2_lora_b):
+        from .grad import layer_with_grad                # the autograd Function around this very call
+        return layer_with_grad(moe_lora_layer, x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a, w13_lora_b,
+                               w2_lora_a, w2_lora_b, schedule=schedule, plan=plan, lora_ranks=lora_ranks, join=join,
+                               lora_path=lora_path, tracer=tracer, side_priority=side_priority, validate=False,
+                               in_k=in_k)
     if M == 0:
         return x.new_empty(0, H)
     active = with_lora and r > 0                      # rank 0: the LoRA adds nothing
@@ -153,6 +161,12 @@ def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=No
                          Dims(M, k, E, H, I, L, r), join=join, dual=row.streams > 1 and _streams_run(x.device),
                          side_priority=side_priority, tracer=tracer)
         return row.run(call)
+
+
+def _wants_grad(*inputs) -> bool:
+    """Whether any input (a tensor, a list of LoRA slices, or None) requires grad."""
+    return any(t.requires_grad for item in inputs if item is not None
+               for t in (item if isinstance(item, (list, tuple)) else (item,)))
 
 
 def _check_plan_fits(plan: LayerPlan, row, schedule: str, lora_path: str) -> None:

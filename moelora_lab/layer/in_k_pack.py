@@ -100,7 +100,9 @@ def pack_in_k(w13: torch.Tensor, w2: torch.Tensor, w13_lora_b, w2_lora_b) -> InK
     InKWeights
         ``w13_ext`` and ``w2_ext`` as :func:`pack_w13_in_k` and :func:`pack_w2_in_k` build them, and
         ``w13`` / ``w2`` as views of them: pass those to the layer (and drop your own copies of the base
-        weights). Pack again when an adapter slot changes: the layer refuses a stale pack.
+        weights). Pack again when an adapter slot changes: the layer refuses a stale pack. Packed without
+        autograd: the pack never requires grad, even from a B that does (training through the layer, the
+        gradients reach B directly).
 
     Notes
     -----
@@ -123,7 +125,8 @@ def pack_in_k(w13: torch.Tensor, w2: torch.Tensor, w13_lora_b, w2_lora_b) -> InK
     >>> torch.allclose(y, ml.moe_layer_reference(**p.layer_inputs()), rtol=1e-4, atol=1e-4)
     True
     """
-    w13_ext, w2_ext = pack_w13_in_k(w13, w13_lora_b), pack_w2_in_k(w2, w2_lora_b)
+    with torch.no_grad():                        # a copy of the weights, never trained: no autograd graph
+        w13_ext, w2_ext = pack_w13_in_k(w13, w13_lora_b), pack_w2_in_k(w2, w2_lora_b)
     bs = (*w13_lora_b, *w2_lora_b)
     return InKWeights(w13_ext[:, :, :w13.shape[2]], w2_ext[:, :, :w2.shape[2]], w13_ext, w2_ext, bs,
                       tuple(_version(b) for b in bs))

@@ -114,7 +114,11 @@ def moe_lora(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, *, path: str
     Returns
     -------
     torch.Tensor
-        ``output``.
+        ``output``. When grad is enabled and x, a slice of ``lora_a`` or ``lora_b``, or (with
+        ``mul_routed_weight``) ``topk_weights`` requires grad, the delta is recorded for autograd: its
+        backward is ``moelora_lab.moe_lora_backward`` ('reference' after ``path="reference"``, else
+        'auto'); ``output`` then receives the delta by a recorded in-place add (or copy, with
+        ``add_inputs=False``), through which the gradient flows.
 
     Examples
     --------
@@ -132,6 +136,24 @@ def moe_lora(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, *, path: str
     ...
     ValueError: lora_a[0]: expects K=64 input features (dim 3) but x has 63 features (dim 1); ...
     """
+    if torch.is_grad_enabled() and _needs_grad(x, topk_weights if mul_routed_weight else None, lora_a, lora_b):
+        from .grad import lora_with_grad            # training: the op recorded with its backward
+        check_bool("add_inputs", add_inputs)
+        delta = lora_with_grad(moe_lora, x, topk_ids, topk_weights, token_lora, lora_a, lora_b,
+                               grad_path="reference" if path == "reference" else "auto", path=path,
+                               mul_routed_weight=mul_routed_weight, blocks=blocks, config=config, enabled=enabled,
+                               lora_ranks=lora_ranks, validate=validate)
+        if output is None:
+            return delta
+        check_output(output, topk_ids.shape[0], topk_ids.shape[1], delta.shape[2], x, topk_ids=topk_ids,
+                     topk_weights=topk_weights, token_lora=token_lora, lora_a=lora_a, lora_b=lora_b, enabled=enabled,
+                     lora_ranks=lora_ranks)
+        if add_inputs:                              # in place, recorded: the delta's gradient flows through
+            return output.add_(delta)
+        owned = token_lora >= 0                     # overwrite the rows of pairs with an adapter, as the kernels do
+        if enabled is not None:
+            owned &= enabled.to(token_lora.device)[token_lora.clamp(min=0).long()]
+        return output.copy_(torch.where(owned.view(-1, 1, 1), delta, output))
     check_bool("add_inputs", add_inputs)
     check_bool("validate", validate)
     M, k, L, E, R, K, N, S = check_op_inputs(x, topk_ids, topk_weights, token_lora, lora_a, lora_b,
@@ -184,6 +206,12 @@ def moe_lora(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, *, path: str
         run_lora(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, output, blocks, path, config,
                  mul_routed_weight=mul_routed_weight, add_inputs=add_inputs, lora_ranks=lora_ranks)
     return output
+
+
+def _needs_grad(*tensors) -> bool:
+    """Whether any tensor (or tensor of a list) requires grad."""
+    flat = [t for v in tensors for t in (v if isinstance(v, (list, tuple)) else [v])]
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat)
 
 
 def run_lora(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, output, blocks, path, config=None, *,

@@ -7,7 +7,7 @@ from typing import Iterable, Mapping, Sequence
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# the specs (reference.py, train/reference.py) also take float64: the gradient checks run in it
+# the specs (reference.py) also take float64: the gradient checks run in it
 SPEC_DTYPES = FLOAT_DTYPES + (torch.float64,)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
