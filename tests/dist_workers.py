@@ -189,6 +189,10 @@ def _fuzz_case(rank, world, spec: dict, group) -> dict:
     ref = _spec_output(p, dtype)
     weights = _weights(p, dtype, poison=True, packed=spec.get("packed", False))
     x = p["x"].to(dtype)
+    if spec.get("grad"):                      # inputs that require grad: the forward serves, a backward refuses
+        x.requires_grad_()
+        for w in (t for key in LORA for t in (weights.get(key) or [])):
+            w.requires_grad_()
     if spec["layer"] == "ep":
         tokens = spec["tokens"]
         lo, hi = sum(tokens[:rank]), sum(tokens[:rank + 1])
@@ -203,10 +207,17 @@ def _fuzz_case(rank, world, spec: dict, group) -> dict:
         args = _layouts(x, p["topk_ids"], p["topk_weights"], p["token_lora"], spec)
         y = tp_layer(*args, local, fully_sharded=spec["fully_sharded"], group=group,
                      lora_ranks=_ranks_layout(p.get("lora_ranks"), spec), lora_path=spec.get("lora_path", "auto"))
+    refusal = None
+    if spec.get("grad"):
+        try:
+            y.sum().backward()
+        except ValueError as e:
+            refusal = str(e)
+        y = y.detach()
     scale = float(ref.abs().max()) if ref.numel() else 1.0
     err = float((y.float() - ref).abs().max()) / max(scale, 1e-6) if y.numel() else 0.0
     return dict(rel_err=err, finite=bool(torch.isfinite(y).all()), shape=tuple(y.shape), want=tuple(ref.shape),
-                dtype=str(y.dtype).replace("torch.", ""))
+                dtype=str(y.dtype).replace("torch.", ""), refusal=refusal)
 
 
 def fuzz(rank, world, specs: dict) -> dict:

@@ -173,7 +173,7 @@ def _hand_picked(world: int) -> dict:
     if world == 2:
         return {
             "ep_rank_without_tokens": dict(layer="ep", E=4, k=2, H=32, I=16, tokens=[0, 5], dtype="float32",
-                                           strided=True, **lora),
+                                           strided=True, grad=True, **lora),
             "ep_topk_is_E_uneven_fp16_micro_batches": dict(layer="ep", E=5, k=5, H=16, I=8, L=2, r=4,
                                                            lora_ranks=[4, 1], tokens=[1, 3], dtype="float16",
                                                            micro_batches=2, strided=True, packed=True),
@@ -182,7 +182,8 @@ def _hand_picked(world: int) -> dict:
                                           dtype="float32", strided=True),
             "ep_rank_0_weights": dict(layer="ep", E=4, k=2, H=16, I=8, L=2, r=0, tokens=[3, 2], dtype="float32"),
             "tp_fully_sharded": dict(layer="tp", fully_sharded=True, E=4, k=2, H=32, I=16, tokens=[6],
-                                     dtype="float32", strided=True, **dict(lora, lora_ranks=[8, 4, 0, 8])),
+                                     dtype="float32", strided=True, grad=True,
+                                     **dict(lora, lora_ranks=[8, 4, 0, 8])),
             "tp_replicated_one_token_fp16": dict(layer="tp", fully_sharded=False, E=3, k=2, H=16, I=8, L=2, r=4,
                                                  tokens=[1], dtype="float16", strided=True, packed=True),
             "tp_no_tokens": dict(layer="tp", fully_sharded=True, E=2, k=1, H=16, I=8, L=2, r=4, tokens=[0],
@@ -266,6 +267,10 @@ def test_layers_match_the_spec(fuzzed, world, name):
         assert r["shape"] == r["want"] and r["dtype"] == spec["dtype"], (rank, r)
         assert r["finite"], f"rank {rank}: non-finite output (read memory it must not read?)"
         assert r["rel_err"] <= TOLERANCE[spec["dtype"]], (rank, r)
+        if spec.get("grad"):                   # inputs require grad: same output, and a backward refuses by name
+            assert r["refusal"] and f"{spec['layer']}_layer: has no backward" in r["refusal"], (rank, r)
+        else:
+            assert r["refusal"] is None
 
 
 def test_the_fuzz_covers_its_edges():

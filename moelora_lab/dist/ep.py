@@ -40,6 +40,7 @@ from ..kernels.combine import gather_sum_kernel
 from ..layer import moe_lora_layer
 from ..layer.table import AUTO, choices, get_schedule
 from ..op.paths import KERNEL_CHOICES, get_path
+from ..layer.grad import no_backward, wants_grad
 from ..layer.streams import traced
 from ..validate import (ANY_SLOT, FLOAT_DTYPES, LayerDims, check_bool, check_choice, check_int,
                         check_layer_inputs, check_lora_ranks, check_tensor, check_values, routing_ranges)
@@ -195,6 +196,14 @@ def ep_layer(x, topk_ids, topk_weights, token_lora, local: dict, partition: Expe
     >>> [(o["rows"], o["vs_layer"] == 0.0) for o in out]            # doctest: +SKIP
     [(6, True), (4, True)]
     """
+    if wants_grad(x, topk_weights, local):          # no backward: inference runs, a backward says so
+        with torch.no_grad():
+            y = ep_layer(x, topk_ids, topk_weights, token_lora, local, partition, group=group, lora_ranks=lora_ranks,
+                         schedule=schedule, lora_path=lora_path, micro_batches=micro_batches, counts=counts,
+                         validate=validate, tracer=tracer)
+        return no_backward("ep_layer: has no backward (its collectives and base kernels are not recorded for "
+                           "autograd); train with moelora_lab.moe_lora_layer, or call ep_layer under torch.no_grad()",
+                           y, x, topk_weights, local)
     group = group if group is not None else dist.group.WORLD
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     dims, error = run_checks(check_inputs, x, topk_ids, topk_weights, token_lora, local, partition, world=world,

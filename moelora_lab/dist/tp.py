@@ -31,6 +31,7 @@ from ..layer.table import AUTO_CPU
 from ..base_moe import gemm_tiles, moe_gemm, silu_and_mul, topk_sum
 from ..op.face import run_lora
 from ..op.paths import KERNEL_CHOICES, get_path, launch_expand, launch_shrink
+from ..layer.grad import no_backward, wants_grad
 from ..layer.streams import traced
 from ..validate import (ANY_SLOT, FLOAT_DTYPES, LayerDims, check_bool, check_layer_base, check_lora_ranks,
                         check_routing, check_same_device, check_tensor, check_values, routing_ranges)
@@ -180,6 +181,13 @@ def tp_layer(x, topk_ids, topk_weights, token_lora, local: dict, *, fully_sharde
     >>> [o["ranks_agree"] for o in out]                                   # doctest: +SKIP
     [True, True]
     """
+    if wants_grad(x, topk_weights, local):          # no backward: inference runs, a backward says so
+        with torch.no_grad():
+            y = tp_layer(x, topk_ids, topk_weights, token_lora, local, fully_sharded=fully_sharded, group=group,
+                         lora_ranks=lora_ranks, lora_path=lora_path, validate=validate, tracer=tracer)
+        return no_backward("tp_layer: has no backward (its collectives and base kernels are not recorded for "
+                           "autograd); train with moelora_lab.moe_lora_layer, or call tp_layer under torch.no_grad()",
+                           y, x, topk_weights, local)
     group = group if group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
     dims, error = run_checks(check_inputs, x, topk_ids, topk_weights, token_lora, local, fully_sharded=fully_sharded,

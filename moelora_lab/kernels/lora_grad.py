@@ -22,8 +22,10 @@ Bytes besides reading x, the output's gradient, A and B (per slice; dx is [P, K]
 first, read and written once per rank tile, then summed over k by the launcher for token rows):
 ``grad_rank_kernel`` (per block) writes T and dT, 2·P·r·c; ``grad_weight_kernel`` (per group and tile
 of N or K) reads T again for each N tile of dB and dT for each K tile of dA, P·r·c·(⌈N/BN⌉ + ⌈K/BK⌉):
-r/BN of one more read of the gradient and r/BK of one more read of x (which it reads once more as
-well); dA and dB are written once.
+r/BN of one more read of the gradient and r/BK of one more read of x (both of which it reads once more
+as well, x for dA and the gradient for dB); dA and dB are written once. At prefill sizes the dx pair
+rows dominate: 4·P·K·4 bytes (zero, read, write, sum) against M·K·4 for dx itself
+(``profile.grad_traffic`` counts every term).
 """
 import triton
 import triton.language as tl

@@ -9,11 +9,13 @@ expert) group walking the group's blocks in table order (no per-block partials),
 bit-identical from run to run; its ``ATOMIC`` build (one row per block, dA and dB added with atomics
 into zeros) gives that up for more programs.
 
-Bytes besides reading x, the output's gradient, A and B (per slice): the group's dA and dB rank slabs
-are read and written back once per block after the group's first, 8·r·(N + K) bytes per extra block
-(the slabs of one group, 4·r·(N + K) bytes = 128 KiB at r 16 and N = K = 1024, stay in L2). x and the
-gradient are read twice per rank tile (T then dA, GB then dB), the second time from L2. Its
-parallelism is one program per touched group: few, long programs when groups hold many blocks.
+Bytes besides reading x, the output's gradient, A and B: per slice, the group's dA and dB rank slabs
+are read and written back once per block after the group's first, 8·R_l·(N + K) bytes per extra block,
+R_l the slot's rank rounded up to whole rank tiles (the slabs of one group, 4·r·(N + K) bytes = 128 KiB
+at r 16 and N = K = 1024, may stay in L2). Per slice and rank tile, x and the gradient are read twice
+(T then dA, the gradient's product with B then dB), the second time from L2; dw is read and written
+once per rank tile, and the dx pair rows as in ``lora_grad.py`` (``profile.grad_traffic`` counts every
+term). Its parallelism is one program per touched group: few, long programs when groups hold many blocks.
 """
 import triton
 import triton.language as tl

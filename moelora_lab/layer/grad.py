@@ -93,6 +93,29 @@ class MoELoRALayerFunction(torch.autograd.Function):
         return (None, dx, None, dtw, None, None, None, None, *dlora)
 
 
+def no_backward(message: str, y: torch.Tensor, *inputs) -> torch.Tensor:
+    """y (computed without autograd) tied to those of ``inputs`` that require grad (tensors, lists of them,
+    dicts of either): a forward that serves inference as it is, and a backward through it that raises a
+    ValueError with ``message`` instead of giving silently partial gradients."""
+    leaves = [t for t in _tensors(inputs) if t.requires_grad]
+    return _NoBackward.apply(message, y, *leaves) if leaves else y
+
+
+def _tensors(items):
+    for item in items:
+        if isinstance(item, torch.Tensor):
+            yield item
+        elif isinstance(item, dict):
+            yield from _tensors(item.values())
+        elif isinstance(item, (list, tuple)):
+            yield from _tensors(item)
+
+
+def wants_grad(*inputs) -> bool:
+    """Whether autograd is on and any of ``inputs`` (tensors, lists, dicts) requires grad."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in _tensors(inputs))
+
+
 class _NoBackward(torch.autograd.Function):
     """y as it is, tied to the inputs that require grad: the forward serves (inference need not turn autograd
     off), a backward through it raises ``message``."""
@@ -120,10 +143,8 @@ def layer_with_grad(forward, x, topk_ids, topk_weights, token_lora, w13, w2, w13
         with torch.no_grad():
             y = forward(x, topk_ids, topk_weights, token_lora, w13, w2, *lists, schedule=schedule, plan=plan,
                         lora_ranks=lora_ranks, in_k=in_k, **options)
-        leaves = [t for t in (x, topk_weights, w13, w2, *(t for ts in lists if ts is not None for t in ts))
-                  if t is not None and t.requires_grad]
-        return _NoBackward.apply(f"schedule={schedule!r}: an experiment without a backward; to train, use one of "
-                                 f"{trained}", y, *leaves)
+        return no_backward(f"schedule={schedule!r}: an experiment without a backward; to train, use one of "
+                           f"{trained}", y, x, topk_weights, w13, w2, lists)
     with_lora = w13_lora_a is not None
     if plan is None and topk_ids.shape[0] and x.dtype in FLOAT_DTYPES:     # float64 (the spec) reads no plan
         plan = _plan(x, topk_ids, token_lora, w13, w13_lora_a, schedule, lora_ranks, in_k, options)

@@ -1,4 +1,5 @@
 """Analytic performance models of the MoE-LoRA kernels."""
+from .grad_traffic import GRAD_TRAFFIC_PATHS, GradTraffic, GradWorkload, grad_op_traffic, grad_tiles
 from .traffic import (
     LORA_PATHS,
     X_ROWS,
@@ -10,6 +11,11 @@ from .traffic import (
 )
 
 __all__ = [
+    "GRAD_TRAFFIC_PATHS",
+    "GradTraffic",
+    "GradWorkload",
+    "grad_op_traffic",
+    "grad_tiles",
     "LORA_PATHS",
     "X_ROWS",
     "Traffic",
