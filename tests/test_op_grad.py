@@ -206,6 +206,27 @@ def test_only_the_gradients_asked_for(device):
     assert_close(got.lora_b[1], spec(inp).lora_b[1], torch.float32)
 
 
+@pytest.mark.parametrize("path", list(GRAD_PATHS))
+@pytest.mark.parametrize("pair_rows", [False, True])
+def test_dx_rows_receive_each_pairs_gradient(path, pair_rows, device):
+    """dx_rows: x's gradient added into the caller's pair rows (not summed over k); the rows' sum over k
+    is the gradient, the other gradients are unchanged, and what the rows held stays added."""
+    inp = case(seed=9, mul=True, pair_rows=pair_rows, device=device)
+    M, k = inp["topk_ids"].shape
+    held = torch.randn(M * k, inp["x"].shape[1], device=device)
+    rows = held.clone()
+    got = moe_lora_backward(**inp, path=path, dx_rows=rows)
+    want = spec(inp)
+    assert got.x is rows
+    summed = (rows - held) if pair_rows else (rows - held).view(M, k, -1).sum(1)
+    assert_close(summed, want.x, torch.float32)
+    assert_close(got.lora_a[0], want.lora_a[0], torch.float32)
+    with pytest.raises(ValueError, match="dx_rows: given, but needs leaves out 'x'"):
+        moe_lora_backward(**inp, path=path, dx_rows=rows, needs=["lora_a"])
+    with pytest.raises(TypeError, match="dx_rows"):
+        moe_lora_backward(**inp, path=path, dx_rows=rows.half())
+
+
 def test_no_tokens_and_rank_zero(device):
     for inp in (case(M=0, seed=9, device=device), case(r=0, ranks=(0,) * 5, seed=9, device=device)):
         for path in GRAD_PATHS:

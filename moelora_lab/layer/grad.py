@@ -28,8 +28,8 @@ size: c1 [P, 2I] in x's dtype (the only [P, 2I] buffer: it becomes dc1); at most
 buffers at once (sigmoid(g), silu(g), dh, and h with LoRA2's dx, or dg with 1 + g (1 - s)), seven where x
 is 16-bit (g and u as float32 copies; h is then copied to x's dtype for the op); then dx's pair rows
 [P, H] float32, once those are freed. The op's backward adds its own: dy's pair rows [P, H] in x's dtype
-(it reads grad_out as [M, k, H] rows, dy is [M, H]), its dx ([P, I] and [M, H] float32) and its rank
-intermediates. Peak about P (2I s + 6I * 4 + H s) bytes in the [P, I] phase (float32: P (14I + 4H)).
+(it reads grad_out as [M, k, H] rows, dy is [M, H]) and its rank intermediates; its dx pair rows are added
+into the layer's own (``dx_rows``: dh for LoRA2, W13^T dc1's pair rows for LoRA13), so it allocates none. Peak about P (2I s + 6I * 4 + H s) bytes in the [P, I] phase (float32: P (14I + 4H)).
 """
 from __future__ import annotations
 
@@ -204,30 +204,29 @@ def layer_backward(x, topk_ids, topk_weights, token_lora, w13, w2, lora, lora_ra
         dh = torch.empty(P, I, dtype=acc, device=x.device)
         gemm(dy, w2, dh, transposed=True)                                         # dh_raw = W2^T dy_t
         dw = torch.linalg.vecdot(dh, h) if need_weights else None                 # [P]
+        if need_dc1:
+            dh.mul_(w)                                                            # dh = w_p dh_raw
         needs2 = _needs(need_dc1, need_weights, need_lora[2], need_lora[3])
-        if active and needs2:
+        if active and needs2:                             # LoRA2's dx (already w-scaled) is added into dh's rows
             grads2 = lora_backward(h.to(x.dtype), topk_ids, topk_weights, token_lora, a2, b2,
-                                   dy.unsqueeze(1).expand(M, k, H), mul_routed_weight=True, needs=needs2, **op)
+                                   dy.unsqueeze(1).expand(M, k, H), mul_routed_weight=True, needs=needs2,
+                                   dx_rows=dh if need_dc1 else None, **op)
         if dw is not None and grads2 is not None:
             dw += grads2.topk_weights.reshape(P).to(acc)
         del h
         if need_dc1:
-            dh.mul_(w)
-            if grads2 is not None:
-                dh += grads2.x.to(acc)                                            # already w-scaled
-                grads2.x = None
             _act_backward(dh, g, u, sig, silu, c1)
             del g, u, sig, silu, dh
+            pairs = None
+            if need_x:
+                pairs = torch.empty(P, H, dtype=acc, device=x.device)
+                gemm(c1, w13, pairs, transposed=True)                             # W13^T dc1_p
             needs13 = _needs(need_x, False, need_lora[0], need_lora[1])
-            if active and needs13:
+            if active and needs13:                        # LoRA13's dx pair rows are added into the base's
                 grads13 = lora_backward(x, topk_ids, topk_weights, token_lora, a13, b13, c1.view(M, k, I2),
-                                        mul_routed_weight=False, needs=needs13, **op)
-        if need_x:
-            pairs = torch.empty(P, H, dtype=acc, device=x.device)
-            gemm(c1, w13, pairs, transposed=True)                                 # W13^T dc1_p
-            dx = gemm.sum_slots(pairs, M)
-            if grads13 is not None:
-                dx += grads13.x.to(acc)
+                                        mul_routed_weight=False, needs=needs13, dx_rows=pairs, **op)
+            if need_x:
+                dx = gemm.sum_slots(pairs, M)
     if need_x:
         dx = torch.zeros_like(x) if dx is None else dx.to(x.dtype)
     dtw = None

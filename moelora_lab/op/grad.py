@@ -35,7 +35,7 @@ def choose_grad_path(num_pairs: int, num_groups: int, block_m: int, x: torch.Ten
 def moe_lora_backward(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, grad_out, *,
                       mul_routed_weight: bool = False, lora_ranks=None, enabled=None, path: str = "auto",
                       blocks: BlockList | None = None, config: KernelConfig | None = None, needs=None,
-                      validate: bool = True) -> LoRAGrads:
+                      validate: bool = True, dx_rows: torch.Tensor | None = None) -> LoRAGrads:
     """Gradients of ``moe_lora(...)`` (the delta, [M, k, S*N]) given ``grad_out`` [M, k, S*N].
 
     ``moe_lora`` calls it itself when an input requires grad (``.backward()`` works through the op); call it
@@ -60,6 +60,10 @@ def moe_lora_backward(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, gra
         others come back None and cost nothing.
     validate : bool
         False skips the id-range checks (one device read).
+    dx_rows : torch.Tensor, optional
+        [M*k, K] float32 (float64 inputs: float64), contiguous: x's gradient is added into it as one row per
+        pair, not summed over a token's k pairs, and comes back as ``.x`` (the layer adds its base part
+        there first, which saves a zeroed buffer, a sum and an add).
 
     Returns
     -------
@@ -119,9 +123,16 @@ def moe_lora_backward(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, gra
             raise ValueError(f"x: the Triton paths need CUDA tensors (got {x.device}); use path='reference'")
     if validate:
         check_values(ranges + ([] if checked else routing_ranges(topk_ids, token_lora, E, L)))
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    if dx_rows is not None:
+        check_tensor("dx_rows", dx_rows, dtypes=(acc,), shape=(M * k, K), legend="[M*k, K] pair rows of x's gradient")
+        check_same_device(x=x, dx_rows=dx_rows)
+        if not dx_rows.is_contiguous():
+            raise ValueError("dx_rows: must be contiguous (the kernels add into its rows); pass a contiguous buffer")
+        if "x" not in wanted:
+            raise ValueError("dx_rows: given, but needs leaves out 'x'; add 'x' to needs or drop dx_rows")
     if M == 0 or R == 0 or not wanted:                 # nothing reaches a weight: zero gradients
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-        zeros = LoRAGrads(x.new_zeros(x.shape, dtype=acc), x.new_zeros(M, k, dtype=acc),
+        zeros = LoRAGrads(x.new_zeros(x.shape, dtype=acc) if dx_rows is None else dx_rows, x.new_zeros(M, k, dtype=acc),
                           [w.new_zeros(w.shape, dtype=acc) for w in lora_a],
                           [w.new_zeros(w.shape, dtype=acc) for w in lora_b])
         return LoRAGrads(*(getattr(zeros, n) if n in wanted else None for n in GRAD_NAMES))
@@ -140,7 +151,7 @@ def moe_lora_backward(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, gra
             elif enabled is not None:
                 blocks = blocks.with_slots_disabled(enabled.to(x.device))
         call = GradCall(x, topk_ids, topk_weights, token_lora, list(lora_a), list(lora_b), g, blocks, lora_ranks,
-                        enabled, mul_routed_weight, frozenset(wanted), config)
+                        enabled, mul_routed_weight, frozenset(wanted), config, dx_rows)
         return grad_path.launch(call)
 
 

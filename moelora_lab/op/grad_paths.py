@@ -44,6 +44,7 @@ class GradCall(NamedTuple):
     mul_routed_weight: bool
     needs: frozenset                 # names of GRAD_NAMES to compute
     config: KernelConfig | None
+    dx_rows: torch.Tensor | None = None   # [P, K] float32 (float64) contiguous: x's pair rows are added into it
 
     @property
     def dims(self):
@@ -72,9 +73,14 @@ class GradPath:
 
 
 def launch_reference(call: GradCall) -> LoRAGrads:
-    grads = moe_lora_backward_reference(call.x, call.topk_ids, call.topk_weights, call.token_lora, call.lora_a,
+    x = call.x
+    if call.dx_rows is not None and x.shape[0] != call.dx_rows.shape[0]:
+        x = x.repeat_interleave(call.topk_ids.shape[1], dim=0)       # pair rows: dx per pair, not summed
+    grads = moe_lora_backward_reference(x, call.topk_ids, call.topk_weights, call.token_lora, call.lora_a,
                                         call.lora_b, call.grad_out, mul_routed_weight=call.mul_routed_weight,
                                         lora_ranks=call.lora_ranks, enabled=call.enabled)
+    if call.dx_rows is not None and "x" in call.needs:
+        grads.x = call.dx_rows.add_(grads.x)
     return LoRAGrads(*(getattr(grads, name) if name in call.needs else None for name in GRAD_NAMES))
 
 
@@ -109,14 +115,15 @@ def _buffers(call: GradCall, zero_weights: bool):
 
     def make(name, shape, alloc):
         return alloc(shape if name in call.needs else (1,), dtype=acc, device=call.x.device)
-    return (make("x", (M * k, K), torch.zeros), make("topk_weights", (M * k,), torch.zeros),
+    dx_rows = call.dx_rows if call.dx_rows is not None and "x" in call.needs else make("x", (M * k, K), torch.zeros)
+    return (dx_rows, make("topk_weights", (M * k,), torch.zeros),
             make("lora_a", (S, L, E, R, K), new), make("lora_b", (S, L, E, N, R), new))
 
 
 def _grads(call: GradCall, dx_rows, dw, da, db) -> LoRAGrads:
     M, k, L, E, R, K, N, S = call.dims
     dx = dx_rows
-    if "x" in call.needs and call.x.shape[0] == M and k > 1:
+    if "x" in call.needs and call.x.shape[0] == M and k > 1 and call.dx_rows is None:
         dx = dx_rows.view(M, k, K).sum(1)                  # token rows: a token's k pairs, in a fixed order
     return LoRAGrads(dx if "x" in call.needs else None,
                      dw.view(M, k) if "topk_weights" in call.needs else None,
