@@ -278,3 +278,13 @@ def test_eager_calls_synchronise_once_or_not_at_all():
         fn()                                            # compile first
     counts = {name: syncs_per_call(fn) for name, (fn, _) in calls.items()}
     assert counts == {name: want for name, (_, want) in calls.items()}
+
+
+def test_wants_grad_looks_through_lists_and_dicts_and_respects_no_grad():
+    from moelora_lab.validate import wants_grad
+    plain, leaf = torch.ones(2), torch.ones(2, requires_grad=True)
+    assert not wants_grad(plain, None, [plain], {"a": [plain]})
+    assert wants_grad(None, [plain, leaf])
+    assert wants_grad({"w": {"lora": [plain, leaf]}})
+    with torch.no_grad():
+        assert not wants_grad(leaf)

@@ -40,10 +40,11 @@ from ..kernels.combine import gather_sum_kernel
 from ..layer import moe_lora_layer
 from ..layer.table import AUTO, choices, get_schedule
 from ..op.paths import KERNEL_CHOICES, get_path
-from ..layer.grad import no_backward, wants_grad
+from ..layer.grad import no_backward
 from ..layer.streams import traced
 from ..validate import (ANY_SLOT, FLOAT_DTYPES, LayerDims, check_bool, check_choice, check_int,
-                        check_layer_inputs, check_lora_ranks, check_tensor, check_values, routing_ranges)
+                        check_layer_inputs, check_lora_ranks, check_tensor, check_values, routing_ranges,
+                        wants_grad)
 from .agree import Same, agree, check_kernels_run, dtype_code, dtype_name, layer_device, run_checks
 from .partition import LORA_KEYS, ExpertPartition
 

@@ -31,10 +31,11 @@ from ..layer.table import AUTO_CPU
 from ..base_moe import gemm_tiles, moe_gemm, silu_and_mul, topk_sum
 from ..op.face import run_lora
 from ..op.paths import KERNEL_CHOICES, get_path, launch_expand, launch_shrink
-from ..layer.grad import no_backward, wants_grad
+from ..layer.grad import no_backward
 from ..layer.streams import traced
 from ..validate import (ANY_SLOT, FLOAT_DTYPES, LayerDims, check_bool, check_layer_base, check_lora_ranks,
-                        check_routing, check_same_device, check_tensor, check_values, routing_ranges)
+                        check_routing, check_same_device, check_tensor, check_values, routing_ranges,
+                        wants_grad)
 from .agree import (Same, _all_gather, agree, check_kernels_run, dtype_code, dtype_name, layer_device,
                     run_checks)
 from .partition import LORA_KEYS, local_ranks

@@ -33,7 +33,7 @@ from .._backend import INTERPRET, on_device
 from ..blocks import LayerPlan
 from ..op.paths import KERNEL_CHOICES, get_path
 from ..validate import (ANY_SLOT, check_bool, check_choice, check_layer_inputs, check_lora_ranks, check_plan,
-                        check_values, routing_ranges)
+                        check_values, routing_ranges, wants_grad)
 from .in_k_pack import check_in_k
 from .plan import _streams_run, plan_layer, resolve_schedule
 from .streams import SIDE_PRIORITIES
@@ -129,7 +129,7 @@ def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=No
                          "MOELORA_INTERPRET=1 before importing moelora_lab to run them on the CPU")
     if INTERPRET and x.dtype == torch.bfloat16:
         raise TypeError("x: bfloat16 is mis-computed by the Triton interpreter; use float32 or float16 on the CPU")
-    if torch.is_grad_enabled() and _wants_grad(x, topk_weights, w13, w2, w13_lora_a, w13_lora_b, w2_lora_a, w2_lora_b):
+    if wants_grad(x, topk_weights, w13, w2, w13_lora_a, w13_lora_b, w2_lora_a, w2_lora_b):
         from .grad import layer_with_grad                # the autograd Function around this very call
         return layer_with_grad(moe_lora_layer, x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a, w13_lora_b,
                                w2_lora_a, w2_lora_b, schedule=schedule, plan=plan, lora_ranks=lora_ranks, join=join,
@@ -161,12 +161,6 @@ def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=No
                          Dims(M, k, E, H, I, L, r), join=join, dual=row.streams > 1 and _streams_run(x.device),
                          side_priority=side_priority, tracer=tracer)
         return row.run(call)
-
-
-def _wants_grad(*inputs) -> bool:
-    """Whether any input (a tensor, a list of LoRA slices, or None) requires grad."""
-    return any(t.requires_grad for item in inputs if item is not None
-               for t in (item if isinstance(item, (list, tuple)) else (item,)))
 
 
 def _check_plan_fits(plan: LayerPlan, row, schedule: str, lora_path: str) -> None:

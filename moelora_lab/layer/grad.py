@@ -44,7 +44,7 @@ from ..blocks import LayerPlan
 from ..op.face import run_lora
 from ..op.grad import moe_lora_backward as lora_backward
 from ..reference import moe_lora_reference
-from ..validate import FLOAT_DTYPES
+from ..validate import FLOAT_DTYPES, tensors_in
 from .plan import plan_layer, resolve_schedule
 from .table import AUTO, AUTO_CPU, get_schedule, schedule_names
 
@@ -97,23 +97,9 @@ def no_backward(message: str, y: torch.Tensor, *inputs) -> torch.Tensor:
     """y (computed without autograd) tied to those of ``inputs`` that require grad (tensors, lists of them,
     dicts of either): a forward that serves inference as it is, and a backward through it that raises a
     ValueError with ``message`` instead of giving silently partial gradients."""
-    leaves = [t for t in _tensors(inputs) if t.requires_grad]
+    leaves = [t for t in tensors_in(inputs) if t.requires_grad]
     return _NoBackward.apply(message, y, *leaves) if leaves else y
 
-
-def _tensors(items):
-    for item in items:
-        if isinstance(item, torch.Tensor):
-            yield item
-        elif isinstance(item, dict):
-            yield from _tensors(item.values())
-        elif isinstance(item, (list, tuple)):
-            yield from _tensors(item)
-
-
-def wants_grad(*inputs) -> bool:
-    """Whether autograd is on and any of ``inputs`` (tensors, lists, dicts) requires grad."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in _tensors(inputs))
 
 
 class _NoBackward(torch.autograd.Function):

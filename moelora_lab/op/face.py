@@ -19,7 +19,7 @@ from ..blocks import BlockList
 from .dispatch import KernelConfig, choice_rank, choose_config
 from .paths import PATHS, LoRACall, resolve_path
 from ..validate import (check_blocks, check_bool, check_enabled, check_lora_ranks, check_op_inputs, check_output,
-                       check_tensor, check_values, routing_ranges)
+                       check_tensor, check_values, routing_ranges, wants_grad)
 
 
 def pack_lora_b(lora_b):
@@ -136,7 +136,7 @@ def moe_lora(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, *, path: str
     ...
     ValueError: lora_a[0]: expects K=64 input features (dim 3) but x has 63 features (dim 1); ...
     """
-    if torch.is_grad_enabled() and _needs_grad(x, topk_weights if mul_routed_weight else None, lora_a, lora_b):
+    if wants_grad(x, topk_weights if mul_routed_weight else None, lora_a, lora_b):
         from .grad import lora_with_grad            # training: the op recorded with its backward
         check_bool("add_inputs", add_inputs)
         delta = lora_with_grad(moe_lora, x, topk_ids, topk_weights, token_lora, lora_a, lora_b,
@@ -206,12 +206,6 @@ def moe_lora(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, *, path: str
         run_lora(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, output, blocks, path, config,
                  mul_routed_weight=mul_routed_weight, add_inputs=add_inputs, lora_ranks=lora_ranks)
     return output
-
-
-def _needs_grad(*tensors) -> bool:
-    """Whether any tensor (or tensor of a list) requires grad."""
-    flat = [t for v in tensors for t in (v if isinstance(v, (list, tuple)) else [v])]
-    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat)
 
 
 def run_lora(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, output, blocks, path, config=None, *,

@@ -19,7 +19,8 @@ import torch
 
 from ..blocks import BlockList, LayerPlan
 from .basic import (FLOAT_DTYPES, INDEX_DTYPES, SPEC_DTYPES, check_bool, check_choice, check_int, check_no_overlap,  # noqa: F401
-                    check_no_self_overlap, check_range, check_rows, check_same_device, check_tensor, check_values)
+                    check_no_self_overlap, check_range, check_rows, check_same_device, check_tensor, check_values,
+                    tensors_in, wants_grad)
 
 
 # without LoRA weights any adapter id of token_lora is accepted: checks use this many slots

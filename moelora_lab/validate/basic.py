@@ -167,3 +167,20 @@ def check_no_overlap(name: str, value: torch.Tensor, **others) -> None:
                 raise ValueError(f"{name}: shares memory with {what}; the kernels would read values they have "
                                  f"already overwritten. Pass a separate output buffer (and copy it back if "
                                  "you need the result in place)")
+
+
+def wants_grad(*inputs) -> bool:
+    """Whether autograd is on and any of ``inputs`` (tensors, None, lists, tuples or dicts of them) requires
+    grad: the one test every entry point uses to choose between its autograd Function and a plain launch."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors_in(inputs))
+
+
+def tensors_in(items):
+    """Every tensor in ``items``, through lists, tuples and dicts (None and other values skipped)."""
+    for item in items:
+        if isinstance(item, torch.Tensor):
+            yield item
+        elif isinstance(item, dict):
+            yield from tensors_in(item.values())
+        elif isinstance(item, (list, tuple)):
+            yield from tensors_in(item)
