@@ -1,0 +1,99 @@
+"""Training plots: the backward's byte table and its groups against hand counts, and the artists each drawing
+function makes."""
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pytest
+import torch
+from matplotlib.figure import Figure
+
+import moelora_lab  # noqa: F401  (first: it decides whether Triton kernels run on the interpreter)
+from moelora_lab import MoEShape
+from moelora_lab.op.dispatch import gpu_config
+from moelora_lab.plots.training import (EXTRA_GROUPS, draw_extra_breakdown, draw_grad_traffic, draw_loss_curves,
+                                        extra_groups, grad_traffic_table)
+from moelora_lab.profile import GRAD_TRAFFIC_PATHS, GradWorkload, grad_op_traffic
+
+SMALL = MoEShape(64, 32, 8, 2, "small")      # H 64, I 32, E 8, k 2
+DIMS = dict(in_features=64, out_features=32, num_slices=2, rank=16)
+
+
+def axes():
+    return Figure().add_subplot()
+
+
+def test_extra_groups_hand_counted():
+    # 16 tokens, k 2, all on adapter 0: group (0, 0) 20 pairs in 2 blocks, (0, 1) 12 in 1 (test_profile_grad_traffic)
+    wl = GradWorkload.from_counts([[20, 12]], num_tokens=16, top_k=2, block_size=16)
+    two, one = (extra_groups(grad_op_traffic(p, wl, **DIMS)) for p in ("two_kernel", "one_shot"))
+    dx = 4 * 32 * 64 * 4                                       # [P, K] fp32 rows: zeroed, read, written, summed
+    assert two == {"x and dY read again": 2048 + 4096, "T and dT through HBM": 4 * 2048, "dx pair rows": dx,
+                   "dA, dB slabs again": 0, "dw read and written again": 0, "other": 0}
+    assert one["dA, dB slabs again"] == 2 * (8192 + 4096) and one["T and dT through HBM"] == 0
+    with pytest.raises(TypeError, match="GradTraffic"):
+        extra_groups(42)
+
+
+def test_grad_traffic_table_rows_and_hand_counted_intermediate():
+    rows = grad_traffic_table(SMALL, 4, [3, 40], num_loras=2)
+    assert [(r["M"], r["path"]) for r in rows] == [(m, p) for m in (3, 40) for p in GRAD_TRAFFIC_PATHS]
+    for r in rows:
+        assert r["ratio"] == r["bytes"] / r["floor"] and r["extra"] == r["bytes"] - r["floor"]
+        assert sum(r[g] for g, _ in EXTRA_GROUPS) + r["other"] == r["extra"]
+        assert r["block_m"] == gpu_config("two_kernel", r["M"] * 2, min(r["M"] * 2, 16), 32, 2, 132, rank=4).block_m
+    assert len({r["floor"] for r in rows if r["M"] == 40}) == 1          # one floor for every path
+    # every token has an adapter: T, dT [S=2, P, r=4] bf16, written once, read once per 64-wide tile of N = 32
+    # and of K = 64 (one each): 4 passes
+    two = next(r for r in rows if (r["M"], r["path"]) == (40, "two_kernel"))
+    assert two["T and dT through HBM"] == 4 * 2 * 80 * 4 * 2
+    w2 = grad_traffic_table(SMALL, 4, [8], op="w2", paths=("one_shot",))
+    assert w2[0]["traffic"].floor.part("dw") == 16 * 4                   # w2 takes the routing weights: dw [P]
+
+
+def test_grad_traffic_table_rejects_bad_arguments():
+    with pytest.raises(TypeError, match="tokens"):
+        grad_traffic_table(SMALL, 4, 16)
+    with pytest.raises(ValueError, match="path"):
+        grad_traffic_table(SMALL, 4, [16], paths=("reference",))
+    with pytest.raises(ValueError, match="op"):
+        grad_traffic_table(SMALL, 4, [16], op="w3")
+    with pytest.raises(ValueError, match="rank"):
+        grad_traffic_table(SMALL, 0, [16])
+
+
+def test_draw_grad_traffic_and_breakdown():
+    rows = grad_traffic_table(SMALL, 4, [4, 64, 512], num_loras=2)
+    ax = axes()
+    draw_grad_traffic(ax, rows, title="small")
+    lines = ax.get_lines()
+    assert len(lines) == len(GRAD_TRAFFIC_PATHS) + 1                    # a line per path, then the floor
+    assert list(lines[0].get_xdata()) == [4, 64, 512] and list(lines[-1].get_ydata()) == [1.0, 1.0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["4", "64", "512"]
+    ax = axes()
+    draw_extra_breakdown(ax, rows, M=512)
+    assert len(ax.patches) % 3 == 0 and len(ax.patches) >= 6            # the floor and at least one group
+    notes = [t.get_text() for t in ax.texts]
+    assert len(notes) == 3 and all(n.endswith("x") for n in notes)
+    assert ax.get_legend() is not None and "the floor" in [t.get_text() for t in ax.get_legend().get_texts()]
+    with pytest.raises(ValueError, match="M = 7"):
+        draw_extra_breakdown(axes(), rows, M=7)
+    with pytest.raises(TypeError, match="Axes"):
+        draw_grad_traffic(None, rows)
+
+
+def test_draw_loss_curves():
+    alone = torch.tensor([[1.0, 0.5, 0.25, 0.1], [2.0, 1.0, 0.8, 0.4]])
+    ax = axes()
+    draw_loss_curves(ax, alone, {"together, spec": alone * 1.01, "together, kernels": alone[:, :2]})
+    lines = ax.get_lines()
+    assert len(lines) == 2 + 2 * 2 and ax.get_yscale() == "log"
+    assert [line.get_linestyle() for line in lines[:2]] == ["-", "-"]
+    assert all(line.get_linestyle() == "None" for line in lines[2:]) and len(lines[-1].get_xdata()) == 2
+    assert "adapter 1: together, kernels" in [t.get_text() for t in ax.get_legend().get_texts()]
+    with pytest.raises(ValueError, match="expected \\[2, at most 4\\]"):
+        draw_loss_curves(axes(), alone, {"long": torch.ones(2, 5)})
+    with pytest.raises(ValueError, match="alone"):
+        draw_loss_curves(axes(), torch.ones(4), {"x": torch.ones(1, 4)})
+    with pytest.raises(TypeError, match="together"):
+        draw_loss_curves(axes(), alone, {})
