@@ -57,6 +57,18 @@ def test_hand_count_each_path(wl):
     assert two.total.flops == atomic.total.flops == 524288 and two.floor.flops == 393216
 
 
+@pytest.mark.parametrize("path", GRAD_TRAFFIC_PATHS)
+def test_dx_rows_drops_the_ops_own_buffer_not_the_kernels_rows(wl, path):
+    own, given = (grad_op_traffic(path, wl, **DIMS, dx_rows=d) for d in (False, True))
+    assert given.floor == own.floor
+    # the caller's rows: no [P, K] fp32 zeroing or sum over k, no dx [M, K] write; the kernels' RMW stays
+    assert own.total.bytes - given.total.bytes == 2 * 32 * 64 * 4 + 16 * 64 * 4
+    assert given.total.part("dx_rmw_write") == own.total.part("dx_rmw_write") == 32 * 64 * 4
+    assert given.total.part("dx_rows_zero") == given.total.part("dx") == 0
+    with pytest.raises(TypeError, match="dx_rows"):
+        grad_op_traffic(path, wl, **DIMS, dx_rows="yes")
+
+
 def test_hand_count_pair_rows_weights_and_ranks():
     # L 2, E 2, M 4, k 2: adapter 0 on groups (0, 0) 3 pairs, (0, 1) 1; adapter 1 (rank 0) on (1, 1) 2; 2 pairs none
     wl = GradWorkload.from_counts([[3, 1], [0, 2]], num_tokens=4, top_k=2, block_size=16)

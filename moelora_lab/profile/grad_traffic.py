@@ -183,8 +183,8 @@ def _slot_ranks(lora_ranks, num_loras: int, rank: int) -> list[int]:
 
 def grad_op_traffic(path: str, workload: GradWorkload, *, in_features: int, out_features: int, num_slices: int,
                     rank: int, x_rows: str = "token", dtype_bytes: int = 2, grad_bytes: int = 4,
-                    mul_routed_weight: bool = False, lora_ranks=None, config: KernelConfig | None = None,
-                    interpreter: bool = False) -> GradTraffic:
+                    mul_routed_weight: bool = False, lora_ranks=None, dx_rows: bool = False,
+                    config: KernelConfig | None = None, interpreter: bool = False) -> GradTraffic:
     """Bytes of ``moe_lora_backward(path=path)`` computing every gradient (module docstring: the formulas).
 
     Parameters
@@ -203,6 +203,10 @@ def grad_op_traffic(path: str, workload: GradWorkload, *, in_features: int, out_
         Whether the routing weights enter (then they are read and dw is written).
     lora_ranks : sequence of int or tensor, optional
         [L] each slot's rank (None: R).
+    dx_rows : bool
+        Whether the caller hands its own float32 pair rows for x's gradient (``moe_lora_backward(dx_rows=...)``,
+        as the layer does): then the op neither zeroes nor sums a [P, K] buffer, nor writes dx [M, K]; the
+        kernels' read-modify-write of the rows stays.
     config, interpreter
         The launch's tiles (:func:`grad_tiles`).
 
@@ -230,6 +234,7 @@ def grad_op_traffic(path: str, workload: GradWorkload, *, in_features: int, out_
     check_choice("x_rows", x_rows, X_ROWS)
     c, a = check_int("dtype_bytes", dtype_bytes, low=1), check_int("grad_bytes", grad_bytes, low=1)
     check_bool("mul_routed_weight", mul_routed_weight)
+    check_bool("dx_rows", dx_rows)
     wl = workload
     M, k, E, L = wl.num_tokens, wl.top_k, wl.num_experts, wl.num_loras
     ranks = _slot_ranks(lora_ranks, L, R)
@@ -259,12 +264,12 @@ def grad_op_traffic(path: str, workload: GradWorkload, *, in_features: int, out_
     kernels = 2 if path == "two_kernel" else 1                     # kernels of a launch that read x and dY
     again = {"x": kernels * launches, "grad_out": kernels}         # x per kernel and launch, dY per kernel
     reads = [(name, n * again.get(name, 1)) for name, n in floor_reads if name != "topk_weights"]
-    writes = list(floor_writes)
+    writes = [(name, n) for name, n in floor_writes if not (dx_rows and name == "dx")]
     rmw = [("dx_rmw", launches * rank_rows * K * a)]
     if mul_routed_weight:                                          # two kernels: the rank kernel reads P_u
         reads.append(("topk_weights", launches * (p_used + p_live if kernels == 2 else p_live) * a))
         rmw.append(("dw_rmw", launches * (p_used if kernels == 2 else rank_rows) * a))
-    if sum_rows:
+    if sum_rows and not dx_rows:
         writes.append(("dx_rows_zero", P * K * a))
         reads.append(("dx_rows_sum", P * K * a))
     if path == "two_kernel":
