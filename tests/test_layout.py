@@ -10,7 +10,7 @@ PACKAGE = Path(ml.__file__).parent
 FLOORS = [
     {"_backend", "validate", "blocks", "tiles", "rules", "reference", "kernels"},
     {"routing"},
-    {"op", "base_moe", "config"},
+    {"op", "base_moe", "config", "quant"},
     {"layer"},
     {"experiments", "adapters", "dist", "train"},
     {"profile", "results"},

@@ -1,0 +1,84 @@
+"""The spec of the MoE-LoRA layer on FP8 base experts, and the mistake it guards against.
+
+Shape legend: M tokens, E experts, k top-k, H hidden, I expert intermediate, G an activation group.
+
+The base GEMMs read FP8: the weights are the :class:`~moelora_lab.quant.format.QuantizedExperts` (dequantized:
+every element times its block's scale), and each GEMM's input (x before W13, h before W2) is quantized per row
+and group of G columns and dequantized again. The LoRA is a bf16/fp32 side path: it reads the unquantized x and
+h, as it was trained to. :func:`moe_layer_reference_fp8` is that layer, the one every FP8 kernel is checked
+against. :func:`lora_fed_quantized_reference` is the mistake of feeding the LoRA the same quantized activation
+as the base (one quantization of x shared by both GEMMs): the adapter then sees an error of a few percent of
+its input that it never saw in training.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..reference import moe_layer_reference, moe_lora_reference
+from ..validate import SPEC_DTYPES, check_bool, check_int, check_layer_base
+from .format import GROUP_SIZE, QuantizedExperts, dequantize_activation, quantize_activation
+
+
+def quantize_dequantize_activation(t: torch.Tensor, group_size: int = GROUP_SIZE) -> torch.Tensor:
+    """``t`` [rows, K] as the base GEMM reads it: quantized to FP8 per row and group of ``group_size`` columns
+    (from float32; float64 is rounded to float32 first) and dequantized back to t's dtype."""
+    xq, scale = quantize_activation(t if t.dtype != torch.float64 else t.float(), group_size)
+    return dequantize_activation(xq, scale, group_size, dtype=t.dtype)
+
+
+def _base(experts, group_size, quantize_inputs):
+    """The dequantized float32 base weights and the base GEMMs' input function (None: unquantized)."""
+    if not isinstance(experts, QuantizedExperts):
+        raise TypeError(f"experts: expected a QuantizedExperts (moelora_lab.quant.quantize_experts or "
+                        f"load_fp8_experts), got {type(experts).__name__}")
+    G = check_int("group_size", group_size, low=1)
+    check_bool("quantize_inputs", quantize_inputs)
+    w13, w2 = experts.dequantize(torch.float32)
+
+    def base_input(t):
+        return quantize_dequantize_activation(t, G)
+    return w13, w2, base_input if quantize_inputs else None
+
+
+def moe_layer_reference_fp8(x, topk_ids, topk_weights, token_lora, experts: QuantizedExperts, w13_lora_a,
+                            w13_lora_b, w2_lora_a, w2_lora_b, *, group_size: int = GROUP_SIZE,
+                            quantize_inputs: bool = True) -> torch.Tensor:
+    """The MoE-LoRA layer on FP8 base experts, [M, H] float32: :func:`moelora_lab.moe_layer_reference` on the
+    dequantized weights of ``experts``, its base GEMMs reading x and h quantized per token and group of
+    ``group_size`` columns (``quantize_inputs=False``: unquantized, weight-only FP8). The LoRA ops read the
+    unquantized x and h; tokens without an adapter get exactly the base layer's output."""
+    w13, w2, base_input = _base(experts, group_size, quantize_inputs)
+    return moe_layer_reference(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a, w13_lora_b, w2_lora_a,
+                               w2_lora_b, base_input=base_input)
+
+
+def lora_fed_quantized_reference(x, topk_ids, topk_weights, token_lora, experts: QuantizedExperts, w13_lora_a,
+                                 w13_lora_b, w2_lora_a, w2_lora_b, *, group_size: int = GROUP_SIZE,
+                                 quantize_inputs: bool = True) -> torch.Tensor:
+    """The mistake, for comparison: :func:`moe_layer_reference_fp8` but with the LoRA ops fed the same
+    quantized-dequantized x and h as the base GEMMs. Its base is the spec's (same output without LoRA); only the
+    LoRA term differs. ``quantize_inputs=False`` makes it the spec (nothing is quantized to feed the LoRA)."""
+    w13, w2, base_input = _base(experts, group_size, quantize_inputs)
+    E, H, I = check_layer_base(x, topk_ids, w13, w2, dtypes=SPEC_DTYPES)
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    qdq = base_input or (lambda t: t)
+    M, k = topk_ids.shape
+    experts_of = topk_ids.reshape(-1).long()                                    # [M*k]
+    xb = qdq(x.to(acc))                                                         # read by the base AND the LoRA
+    xs = xb.repeat_interleave(k, dim=0)
+    c1 = torch.zeros(M * k, 2 * I, dtype=acc, device=x.device)
+    for e in torch.unique(experts_of).tolist():
+        sel = experts_of == e
+        c1[sel] = xs[sel] @ w13[e].to(acc).T
+    c1 += moe_lora_reference(xb, topk_ids, topk_weights, token_lora, w13_lora_a, w13_lora_b).view(M * k, 2 * I)
+    h = F.silu(c1[:, :I]) * c1[:, I:]
+    hb = qdq(h)                                                                 # likewise
+    c3 = torch.zeros(M * k, H, dtype=acc, device=x.device)
+    for e in torch.unique(experts_of).tolist():
+        sel = experts_of == e
+        c3[sel] = hb[sel] @ w2[e].to(acc).T
+    c3 = c3 * topk_weights.reshape(-1, 1).to(acc)
+    c3 += moe_lora_reference(hb, topk_ids, topk_weights, token_lora, w2_lora_a, w2_lora_b,
+                             mul_routed_weight=True).view(M * k, H)
+    return c3.view(M, k, H).sum(dim=1)
