@@ -37,7 +37,8 @@ NOTEBOOKS  := $(wildcard notebooks/*.ipynb notebooks/appendix/*.ipynb)
 KERNEL_TESTS := tests/test_ops.py tests/test_dispatch.py tests/test_layer.py tests/test_moe.py tests/test_align.py tests/test_validate.py \
                 tests/test_paths.py tests/test_streams.py tests/test_properties.py tests/test_compile.py \
                 tests/test_exercises.py tests/test_dist.py tests/test_layer_in_k.py tests/test_guarantees.py \
-                tests/test_experiments_in_gemm.py tests/test_experiments_in_join.py tests/test_op_grad.py tests/test_layer_grad.py
+                tests/test_experiments_in_gemm.py tests/test_experiments_in_join.py tests/test_op_grad.py tests/test_layer_grad.py \
+                tests/test_quant_gemm.py
 
 # `make test-browser`: Debian's chromium and chromium-driver (apt-get, as root or through sudo; selenium
 # comes with the venv); BROWSER_NOTEBOOKS picks notebooks (default: all of notebooks/, the appendix included).
