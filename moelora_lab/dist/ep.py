@@ -40,6 +40,7 @@ from ..kernels.combine import gather_sum_kernel
 from ..layer import moe_lora_layer
 from ..layer.table import AUTO, choices, get_schedule
 from ..op.paths import KERNEL_CHOICES, get_path
+from ..layer.fp8 import refuse_distributed
 from ..layer.grad import no_backward
 from ..layer.streams import traced
 from ..validate import (ANY_SLOT, FLOAT_DTYPES, LayerDims, check_bool, check_choice, check_int,
@@ -226,6 +227,7 @@ def check_inputs(x, topk_ids, topk_weights, token_lora, local, partition, *, wor
     """One rank's inputs of :func:`ep_layer`, all of them (the ids' ranges with ``validate``); returns
     the dims of its local layer (E = this rank's experts). Raises where ``moe_lora_layer`` on the
     received pairs, or the exchange, would fail later on this rank alone."""
+    refuse_distributed("ep_layer", local)
     check_bool("validate", validate)
     check_int("micro_batches", micro_batches, low=1)
     check_choice("schedule", schedule, EP_SCHEDULES)

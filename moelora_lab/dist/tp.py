@@ -31,6 +31,7 @@ from ..layer.table import AUTO_CPU
 from ..base_moe import gemm_tiles, moe_gemm, silu_and_mul, topk_sum
 from ..op.face import run_lora
 from ..op.paths import KERNEL_CHOICES, get_path, launch_expand, launch_shrink
+from ..layer.fp8 import refuse_distributed
 from ..layer.grad import no_backward
 from ..layer.streams import traced
 from ..validate import (ANY_SLOT, FLOAT_DTYPES, LayerDims, check_bool, check_layer_base, check_lora_ranks,
@@ -80,6 +81,7 @@ def check_inputs(x, topk_ids, topk_weights, token_lora, local, *, fully_sharded:
                  lora_path: str, validate: bool) -> LayerDims:
     """One rank's inputs of :func:`tp_layer`, all of them (the ids' ranges with ``validate``); returns
     the dims of its share (I = I_w, this rank's intermediate columns)."""
+    refuse_distributed("tp_layer", local)
     check_bool("fully_sharded", fully_sharded)
     check_bool("validate", validate)
     get_path(lora_path, "lora_path", KERNEL_CHOICES)

@@ -8,6 +8,7 @@ product schedules' runners.
     in_k.py        the in_k runner (both LoRA ops in their GEMMs' K); in_k_pack.py packs its weights
     in_k_launch.py the launchers of its tail shrink
     streams.py     the two-stream executor
+    fp8.py         a quantized (FP8Weight) base: which base a call brings, and the refusals of what cannot run it
 """
 from . import two_kernel  # noqa: F401  (moelora_lab.layer.two_kernel.run, as the notebooks show it)
 from .face import moe_lora_layer

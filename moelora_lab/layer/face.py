@@ -34,10 +34,11 @@ from ..blocks import LayerPlan
 from ..op.paths import KERNEL_CHOICES, get_path
 from ..validate import (ANY_SLOT, check_bool, check_choice, check_layer_inputs, check_lora_ranks, check_plan,
                         check_values, routing_ranges, wants_grad)
+from .fp8 import BASE_DTYPES, base_tensors, quantized_base, refuse_in_k, without_backward
 from .in_k_pack import check_in_k
 from .plan import _streams_run, plan_layer, resolve_schedule
 from .streams import SIDE_PRIORITIES
-from .table import AUTO_CPU, JOINS, Dims, LayerCall, choices, get_schedule
+from .table import AUTO, AUTO_CPU, JOINS, Dims, LayerCall, choices, get_schedule
 
 
 def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=None, w13_lora_b=None,
@@ -55,9 +56,12 @@ def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=No
         [M, k] expert ids (int32/int64, in [0, E)) and routing weights (float) of each token.
     token_lora : torch.Tensor
         [M] int32/int64 adapter slot of each token in [0, L), -1 = no adapter.
-    w13, w2 : torch.Tensor
+    w13, w2 : torch.Tensor or quant.FP8Weight
         Base expert weights in x's dtype: w13 [E, 2I, H] (gate rows [0, I), up rows [I, 2I)) and
-        w2 [E, H, I] (down projection).
+        w2 [E, H, I] (down projection). Or both quantized (``quant.quantize_experts(w13, w2)``'s ``.w13`` and
+        ``.w2``): the base GEMMs then read x and h quantized per row and group of 128 columns (``quant.base_gemm``),
+        the LoRA the unquantized ones; only the schedules whose row serves it run (``auto`` picks among them),
+        without a backward (see ``layer.fp8``).
     w13_lora_a, w13_lora_b : list of torch.Tensor, optional
         w13's LoRA, two slices (gate, up): A 2 x [L, E, r, H], B 2 x [L, E, I, r].
     w2_lora_a, w2_lora_b : list of torch.Tensor, optional
@@ -107,13 +111,20 @@ def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=No
     >>> torch.equal(ml.moe_lora_layer(**p.layer_inputs(), plan=plan), y)
     True
     """
-    M, k, E, H, I, L, r = check_layer_inputs(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a, w13_lora_b,
-                                             w2_lora_a, w2_lora_b)
+    quantized = quantized_base(w13, w2)
+    M, k, E, H, I, L, r = check_layer_inputs(x, topk_ids, topk_weights, token_lora, *base_tensors(w13, w2),
+                                             w13_lora_a, w13_lora_b, w2_lora_a, w2_lora_b,
+                                             base_dtypes=BASE_DTYPES if quantized else None)
     check_bool("validate", validate)
     check_choice("side_priority", side_priority, SIDE_PRIORITIES)
     check_choice("join", join, JOINS)
     check_choice("schedule", schedule, choices())
     get_path(lora_path, "lora_path", KERNEL_CHOICES)
+    if quantized:                                     # what cannot run an FP8 base refuses by name, LoRA or not
+        why = schedule != AUTO and get_schedule(schedule).refuses_fp8()
+        if why:
+            raise ValueError(why)
+        refuse_in_k(in_k)
     with_lora = L is not None
     if lora_ranks is not None and not with_lora:
         raise ValueError("lora_ranks: given, but the call has no LoRA weights (w13_lora_a ... w2_lora_b); drop "
@@ -129,6 +140,11 @@ def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=No
                          "MOELORA_INTERPRET=1 before importing moelora_lab to run them on the CPU")
     if INTERPRET and x.dtype == torch.bfloat16:
         raise TypeError("x: bfloat16 is mis-computed by the Triton interpreter; use float32 or float16 on the CPU")
+    if quantized and wants_grad(x, topk_weights, w13_lora_a, w13_lora_b, w2_lora_a, w2_lora_b):
+        return without_backward(moe_lora_layer, x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a,
+                                w13_lora_b, w2_lora_a, w2_lora_b, schedule=schedule, join=join, lora_path=lora_path,
+                                plan=plan, tracer=tracer, lora_ranks=lora_ranks, side_priority=side_priority,
+                                validate=False)
     if wants_grad(x, topk_weights, w13, w2, w13_lora_a, w13_lora_b, w2_lora_a, w2_lora_b):
         from .grad import layer_with_grad                # the autograd Function around this very call
         return layer_with_grad(moe_lora_layer, x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a, w13_lora_b,
@@ -140,7 +156,8 @@ def moe_lora_layer(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a=No
     active = with_lora and r > 0                      # rank 0: the LoRA adds nothing
     if active:
         run = resolve_schedule(schedule, x.device, num_pairs=M * k, num_experts=E, num_loras=L, rank=r,
-                               in_k_columns=L * r if in_k is not None else None, join=join, lora_path=lora_path)
+                               in_k_columns=L * r if in_k is not None else None, join=join, lora_path=lora_path,
+                               quantized=quantized)
         why = get_schedule(run).ignored(join, lora_path)
         if why:
             raise ValueError(why)

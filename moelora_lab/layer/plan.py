@@ -46,21 +46,25 @@ def _streams_run(device: torch.device) -> bool:
 
 def resolve_schedule(schedule: str, device: torch.device, *, num_pairs: int = 0, num_experts: int = 1,
                      num_loras: int | None = None, rank: int | None = None, in_k_columns: int | None = None,
-                     join: str = "fold", lora_path: str = "auto") -> str:
+                     join: str = "fold", lora_path: str = "auto", quantized: bool = False) -> str:
     """The schedule a call really runs: a row's name (``num_loras``, ``rank``: the layer's L and r, checked
     against the row's limit; ``in_k_columns``: L*r when the call brings an ``in_k`` pack, else None; ``join``
-    and ``lora_path``: the call's, which ``auto`` honours)."""
+    and ``lora_path``: the call's, which ``auto`` honours; ``quantized``: the base is FP8, which ``auto``
+    honours and a named row that cannot run it refuses)."""
     check_choice("schedule", schedule, choices())
     if schedule != AUTO:
         row = get_schedule(schedule)
+        why = row.refuses_fp8() if quantized else None
+        if why:
+            raise ValueError(why)
         _check_width(schedule, num_loras, rank)
         if row.needs_pack and in_k_columns is None:
             raise ValueError(f"schedule={schedule!r} needs the layer packed for it: pass in_k=pack_in_k(w13, w2, "
                              "w13_lora_b, w2_lora_b) and its views w13=in_k.w13, w2=in_k.w2")
     gpu = _streams_run(device)
     if schedule == AUTO:
-        return (gpu_schedule(num_pairs, num_experts, in_k_columns=in_k_columns, join=join, lora_path=lora_path)
-                if gpu else AUTO_CPU)
+        return (gpu_schedule(num_pairs, num_experts, in_k_columns=in_k_columns, join=join, lora_path=lora_path,
+                             quantized=quantized) if gpu else AUTO_CPU)
     if row.cpu_runs and not gpu:
         warnings.warn(f"schedule={schedule!r} needs CUDA streams; on the CPU the layer runs {row.cpu_runs!r} "
                       "(same kernels, same results)", RuntimeWarning, stacklevel=3)
@@ -81,11 +85,12 @@ IN_K_MIN_PAIRS_PER_EXPERT = 128
 
 
 def gpu_schedule(num_pairs: int, num_experts: int, *, in_k_columns: int | None = None, join: str = "fold",
-                 lora_path: str = "auto") -> str:
+                 lora_path: str = "auto", quantized: bool = False) -> str:
     """What ``schedule="auto"`` runs on a GPU (without LoRA inside the GEMMs), for a layer of
     ``num_pairs`` pairs over ``num_experts`` experts, ``in_k_columns`` = L*r when the call brings an
-    ``in_k`` pack (usable on the CPU, to read the data). ``in_k`` where the rule above says it pays and it
-    honours the call's ``join`` and ``lora_path`` (it runs neither: ``ignored_argument``);
+    ``in_k`` pack (usable on the CPU, to read the data). ``in_k`` where the rule above says it pays, it
+    honours the call's ``join`` and ``lora_path`` (it runs neither: ``ignored_argument``) and the base is not
+    ``quantized`` (FP8: ``in_k`` cannot run it, ``Schedule.refuses_fp8``);
     else two streams at every size: on the H200, with every schedule of a case timed in interleaved
     rounds, they beat one stream most at M = 1 (the LoRA's short launches hide under the base GEMMs)
     and least at the largest M (both streams' kernels are long and share the memory bus), where the
@@ -95,7 +100,8 @@ def gpu_schedule(num_pairs: int, num_experts: int, *, in_k_columns: int | None =
                          f"{num_experts}")
     if (in_k_columns is not None and in_k_columns <= IN_K_MAX_COLUMNS
             and num_pairs >= IN_K_MIN_PAIRS_PER_EXPERT * num_experts
-            and ignored_argument(AUTO_LARGE, join, lora_path) is None):
+            and ignored_argument(AUTO_LARGE, join, lora_path) is None
+            and not (quantized and get_schedule(AUTO_LARGE).refuses_fp8())):
         return AUTO_LARGE
     return AUTO_GPU
 

@@ -34,6 +34,11 @@ AUTO_GPU = "dual_stream"                 # ... on a GPU ...
 AUTO_LARGE = "in_k"                      # ... unless the call brings a pack and the GPU rule says it pays
 
 
+# what a row says of a quantized base unless it names its own reason (a new runner serves FP8 only once it calls
+# quant.base_gemm for its base GEMMs and says so with fp8_refusal=None)
+NO_FP8 = "its base GEMMs run the bf16/fp16/fp32 grouped GEMM only"
+
+
 class Dims(NamedTuple):
     M: int
     k: int
@@ -94,6 +99,7 @@ class Schedule:
     max_columns: int | str | None = None  # the most L*r it can run, or the name of the rule in ``rules`` that
                                           # holds it (read at each call: ``column_limit``); None: any
     cpu_runs: str | None = None     # the row that runs in its place where CUDA streams do not (with a warning)
+    fp8_refusal: str | None = NO_FP8  # why it cannot run on a quantized (FP8Weight) base; None: it can
     style: dict | None = None       # how plots draw it: color, marker, label
 
     def __post_init__(self):
@@ -139,6 +145,14 @@ class Schedule:
                     f"inside {self.lora_inside}); leave lora_path at 'auto' or pick another schedule")
         return None
 
+    def refuses_fp8(self) -> str | None:
+        """Why this schedule cannot run on a quantized (FP8Weight) base, naming the argument and the fix, or None."""
+        if self.fp8_refusal is None:
+            return None
+        serve = ", ".join(repr(n) for n, row in SCHEDULES.items() if row.fp8_refusal is None)
+        return (f"schedule={self.name!r}: cannot run on a quantized (FP8) base: {self.fp8_refusal}; use "
+                f"schedule='auto' or one of {serve}, or pass w13 and w2 as tensors (FP8Weight.dequantize(dtype))")
+
     def too_wide(self, num_loras: int, rank: int) -> str | None:
         """Why L adapters of rank r exceed this schedule's limit, or None."""
         limit = self.column_limit
@@ -158,12 +172,12 @@ SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
     Schedule("sequential", _TWO, "product", 1, _SEQUENTIAL_STAGES,
              "base GEMMs, then the LoRA kernels of the op and the joins, all on the current stream "
              "(what `auto` runs on the CPU)",
-             joins=JOINS, lora_paths=None,
+             joins=JOINS, lora_paths=None, fp8_refusal=None,
              style=dict(color="#1f77b4", marker="s", label="LoRA, one stream")),
     Schedule("dual_stream", _TWO, "product", 2, _SEQUENTIAL_STAGES,
              "the same kernels, the LoRA ones on a high-priority side stream beside the base GEMMs "
              "(what `auto` runs on a GPU unless `in_k` pays)",
-             joins=JOINS, lora_paths=None, cpu_runs="sequential",
+             joins=JOINS, lora_paths=None, cpu_runs="sequential", fp8_refusal=None,
              style=dict(color="#2ca02c", marker="^", label="LoRA, two streams (folded join)")),
     Schedule("in_k", "moelora_lab.layer.in_k:run", "product", 1,
              (("shrink_w13", "main"), ("w13+lora", "main"), ("act", "main"), ("shrink_w2", "main"),
@@ -171,6 +185,7 @@ SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
              "both LoRA ops in their GEMMs' K over inputs widened by each pair's shrink (needs `in_k=pack_in_k(...)`; "
              "what `auto` runs on a GPU at large M)",
              lora_inside="the grouped GEMMs' K", needs_pack=True,
+             fp8_refusal="its pack widens W with every slot's LoRA B columns, which FP8 weights cannot hold",
              style=dict(color="#e377c2", marker="P", label="both LoRA ops in K")),
     Schedule("fused", "moelora_lab.experiments.in_gemm:run_fused", "experiment", 1,
              (("w13+lora", "main"), ("act", "main"), ("w2+lora", "main"), ("sum", "main")),
@@ -198,6 +213,9 @@ def _check_auto_rows():
     for name in (AUTO_CPU, AUTO_GPU, AUTO_LARGE):
         if SCHEDULES[name].status != "product":
             raise ValueError(f"auto runs {name!r}, which is not a product row")
+    for name in (AUTO_CPU, AUTO_GPU):                 # what auto runs on a quantized base
+        if SCHEDULES[name].fp8_refusal is not None:
+            raise ValueError(f"auto runs {name!r} on a quantized base, which it cannot run")
 
 
 _check_auto_rows()

@@ -11,13 +11,18 @@ Joins: ``fold`` lets the LoRA kernels write their deltas only for pairs with an 
 uninitialised buffers, and the activation and the top-k sum read the delta where the token has an
 adapter (no memset, no extra pass); ``vllm`` zero-fills the delta buffers, the LoRA kernels write into
 them, then ``c += delta`` before the activation and before the sum, as vLLM joins them.
+
+The base GEMMs go through ``quant.base_gemm``: on a quantized base (w13 and w2 FP8Weights) each quantizes its
+input (x, then h) per row and group and runs the FP8 GEMM by its own tile rule; the LoRA kernels read the
+unquantized x and h, as the spec (``quant.moe_layer_reference_fp8``) says.
 """
 from __future__ import annotations
 
 import torch
 
-from ..base_moe import moe_gemm, silu_and_mul, topk_sum
+from ..base_moe import silu_and_mul, topk_sum
 from ..op.face import run_lora
+from ..quant.gemm import base_gemm
 from .streams import Streams
 from .table import LayerCall
 
@@ -46,7 +51,7 @@ def run(call: LayerCall) -> torch.Tensor:
 
     fork = streams.fork()                        # x, routing and buffers are ready
     with streams.stage("base_w13", "main"):
-        moe_gemm(x, call.w13, plan.base_blocks, c1, top_k=k, tiles=plan.tiles)
+        base_gemm(x, call.w13, plan.base_blocks, c1, top_k=k, tiles=plan.tiles)
     if lora is not None:
         with streams.side("lora_w13", fork):
             run_lora(x, call.topk_ids, call.topk_weights, call.token_lora, w13_lora_a, w13_lora_b, d13,
@@ -60,7 +65,7 @@ def run(call: LayerCall) -> torch.Tensor:
         silu_and_mul(c1, h, top_k=k, delta=delta13, token_lora=call.token_lora32)
     fork = streams.fork()                        # h is ready
     with streams.stage("base_w2", "main"):
-        moe_gemm(h, call.w2, plan.base_blocks, c3, top_k=k, topk_weights=call.weights, tiles=plan.tiles)
+        base_gemm(h, call.w2, plan.base_blocks, c3, top_k=k, topk_weights=call.weights, tiles=plan.tiles)
     if lora is not None:
         with streams.side("lora_w2", fork):
             run_lora(h, call.topk_ids, call.topk_weights, call.token_lora, w2_lora_a, w2_lora_b, d2,

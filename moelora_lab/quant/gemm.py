@@ -10,6 +10,9 @@ must lie inside one activation group and one weight block along K, and an FP8 do
 MIN_BLOCK_K columns, so BLOCK_K is a power of two >= 32 dividing G and BK (each where it is shorter than K).
 The rule's tiles are the bf16 GEMM's (BLOCK_N narrowed where the two fp32 tiles of a K step would spill), not
 tuned for FP8.
+
+:func:`base_gemm` is the one dispatch point of the layer's base GEMMs: the FP8 GEMM for an :class:`FP8Weight`
+(its activations quantized here, its tiles by this module's rule, not the plan's), the bf16 GEMM otherwise.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import torch
 import triton
 
 from .._backend import INTERPRET, on_device
-from ..base_moe import block_tiles, gemm_tiles, launch_tiles
+from ..base_moe import block_tiles, gemm_tiles, launch_tiles, moe_gemm
 from ..blocks import BlockList
 from ..kernels.base_moe_fp8 import moe_gemm_fp8_kernel, quantize_rows_kernel
 from ..validate import FLOAT_DTYPES, check_bool, check_int, check_same_device, check_tensor
@@ -191,3 +194,28 @@ def _tiles(config, P: int, E: int, K: int, G: int, w_block_k: int) -> dict:
                          f"group ({G}) and the weight's scale block along K ({w_block_k}) wherever they are shorter "
                          f"than K = {K}; {fits} fits")
     return tiles
+
+
+def base_gemm(x: torch.Tensor, w, blocks: BlockList, out: torch.Tensor, *, top_k: int,
+              topk_weights: torch.Tensor | None = None, tiles: dict | None = None,
+              group_size: int = GROUP_SIZE) -> torch.Tensor:
+    """The layer's base grouped GEMM on either base: out[p] = (w_p *) W[e_p] @ x_row(p). Returns ``out``.
+
+    ``w`` a tensor [E, N, K]: ``base_moe.moe_gemm`` as it is (``tiles`` its tiles). ``w`` an :class:`FP8Weight`:
+    x's rows quantized per group of ``group_size`` columns (:func:`quantize_rows`, token rows [M, K] or pair rows
+    [P, K] as given), then :func:`moe_gemm_fp8` with its own tile rule (:func:`fp8_gemm_tiles`); ``tiles``, the
+    bf16 GEMM's, do not apply to it and are ignored except their BLOCK_M, which must be ``blocks``' block size
+    anyway. ``topk_weights`` [P] fp32 or None (None: no routing weight), as for ``moe_gemm``."""
+    if not isinstance(w, FP8Weight):
+        return moe_gemm(x, w, blocks, out, top_k=top_k, topk_weights=topk_weights, tiles=tiles)
+    E, _, K = w.shape
+    P = out.shape[0]
+    xq, x_scale = quantize_rows(x, group_size)
+    rule = fp8_gemm_tiles(P, E, K, group_size, w.block_size[1])
+    config = None
+    if rule["BLOCK_M"] != blocks.block_size:      # blocks planned for other tiles: keep the FP8 rule's narrowing
+        bm = blocks.block_size
+        config = dict(BLOCK_M=bm, BLOCK_N=max(16, min(rule["BLOCK_N"], MAX_TILE_ELEMENTS // bm)))
+    return moe_gemm_fp8(xq, x_scale, w, blocks, out, top_k=top_k, token_rows=x.shape[0] != P or top_k == 1,
+                        topk_weights=topk_weights, mul_routed_weight=topk_weights is not None, config=config,
+                        group_size=group_size)

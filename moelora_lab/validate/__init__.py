@@ -226,17 +226,19 @@ class LayerDims(NamedTuple):
     r: int | None
 
 
-def check_layer_base(x, topk_ids, w13, w2, *, same_dtype: bool = False,
-                     dtypes: tuple = FLOAT_DTYPES) -> tuple[int, int, int]:
-    """x [M, H], topk_ids [M, k], w13 [E, 2I, H], w2 [E, H, I]; returns (E, H, I)."""
+def check_layer_base(x, topk_ids, w13, w2, *, same_dtype: bool = False, dtypes: tuple = FLOAT_DTYPES,
+                     base_dtypes: tuple | None = None) -> tuple[int, int, int]:
+    """x [M, H], topk_ids [M, k], w13 [E, 2I, H], w2 [E, H, I]; returns (E, H, I). ``base_dtypes``: those of
+    w13 and w2 where they are not x's (the data of a quantized base), overriding ``same_dtype`` for them."""
     check_tensor("x", x, ndim=2, dtypes=dtypes, legend="[M, H]")
-    check_tensor("w13", w13, ndim=3, dtypes=(x.dtype,) if same_dtype else dtypes,
-                 legend="[E, 2I, H]" + (" in x's dtype" if same_dtype else ""))
+    same = same_dtype and base_dtypes is None
+    w_dtypes = base_dtypes or ((x.dtype,) if same else dtypes)
+    check_tensor("w13", w13, ndim=3, dtypes=w_dtypes, legend="[E, 2I, H]" + (" in x's dtype" if same else ""))
     E, two_i, H = w13.shape
     if two_i % 2:
         raise ValueError(f"w13: dim 1 must be 2*I (gate and up stacked), got {two_i}")
-    check_tensor("w2", w2, dtypes=(x.dtype,) if same_dtype else dtypes, shape=(E, H, two_i // 2),
-                 legend="[E, H, I]" + (" in x's dtype" if same_dtype else ""))
+    check_tensor("w2", w2, dtypes=w_dtypes, shape=(E, H, two_i // 2),
+                 legend="[E, H, I]" + (" in x's dtype" if same else ""))
     if x.shape[1] != H:
         raise ValueError(f"x: has {x.shape[1]} features but w13 expects H={H}")
     check_tensor("topk_ids", topk_ids, ndim=2, legend="[M, k]")
@@ -247,9 +249,10 @@ def check_layer_base(x, topk_ids, w13, w2, *, same_dtype: bool = False,
 
 
 def check_layer_inputs(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a, w13_lora_b, w2_lora_a,
-                       w2_lora_b) -> LayerDims:
-    """Everything the kernel layer reads, shapes/dtypes/devices only (the ids are checked apart)."""
-    E, H, I = check_layer_base(x, topk_ids, w13, w2, same_dtype=True)
+                       w2_lora_b, *, base_dtypes: tuple | None = None) -> LayerDims:
+    """Everything the kernel layer reads, shapes/dtypes/devices only (the ids are checked apart); ``base_dtypes``
+    as for :func:`check_layer_base` (w13 and w2 the data of a quantized base)."""
+    E, H, I = check_layer_base(x, topk_ids, w13, w2, same_dtype=True, base_dtypes=base_dtypes)
     if topk_weights is None:
         raise ValueError("topk_weights: required by the layer (the routing weights scale each expert's output)")
     lora = (w13_lora_a, w13_lora_b, w2_lora_a, w2_lora_b)
