@@ -114,18 +114,23 @@ def moe_layer_reference_loop(x, topk_ids, topk_weights, token_lora, w13, w2,
     return y
 
 
-def _base_input(base_input, t: torch.Tensor) -> torch.Tensor:
-    """``base_input(t)``, checked to keep t's shape and dtype (it stands for the activation, not a new one)."""
-    out = base_input(t)
+def _reads(fn, name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a GEMM reads it: ``fn(t)``, checked to keep t's shape and dtype (it stands for the activation, not
+    a new one), or t itself where ``fn`` is None."""
+    if fn is None:
+        return t
+    if not callable(fn):
+        raise TypeError(f"{name}: expected a function of the GEMM's input or None, got {type(fn).__name__}")
+    out = fn(t)
     if not isinstance(out, torch.Tensor) or out.shape != t.shape or out.dtype != t.dtype:
         got = f"{tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
-        raise ValueError(f"base_input: returned {got} for an input of {tuple(t.shape)} {t.dtype}; it must return a "
-                         "tensor of the same shape and dtype (the activation as the base GEMM reads it)")
+        raise ValueError(f"{name}: returned {got} for an input of {tuple(t.shape)} {t.dtype}; it must return a "
+                         "tensor of the same shape and dtype (the activation as the GEMM reads it)")
     return out
 
 
 def moe_layer_reference(x, topk_ids, topk_weights, token_lora, w13, w2,
-                        w13_lora_a, w13_lora_b, w2_lora_a, w2_lora_b, *, base_input=None):
+                        w13_lora_a, w13_lora_b, w2_lora_a, w2_lora_b, *, base_input=None, lora_input=None):
     """The whole MoE layer with LoRA on w13 (2 slices) and w2 (1 slice): [M, H] float32.
 
     c1 = W13[e] x_t + LoRA13 (no routing weight);  h = silu(gate) * up;
@@ -133,31 +138,30 @@ def moe_layer_reference(x, topk_ids, topk_weights, token_lora, w13, w2,
 
     ``base_input``, a function of a [rows, K] tensor in the accumulation dtype, is applied to the input of each base
     GEMM only (x [M, H] before W13, h [M*k, I] before W2), e.g. FP8 activation quantization; the LoRA ops still
-    read the unquantized x and h. None: the base reads them as they are.
+    read the unquantized x and h. None: the base reads them as they are. ``lora_input`` likewise for the LoRA ops'
+    inputs (only to show a mistake: a LoRA fed the base's quantized activations).
     """
     E, H, I = check_layer_base(x, topk_ids, w13, w2, dtypes=SPEC_DTYPES)
-    if base_input is not None and not callable(base_input):
-        raise TypeError(f"base_input: expected a function of the base GEMM's input or None, got "
-                        f"{type(base_input).__name__}")
     acc = _acc(x)
     M, k = topk_ids.shape
     experts = topk_ids.reshape(-1).long()                                       # [M*k]
-    xb = x.to(acc) if base_input is None else _base_input(base_input, x.to(acc))  # the W13 GEMM's input
+    xb = _reads(base_input, "base_input", x.to(acc))                            # the W13 GEMM's input
     xs = xb.repeat_interleave(k, dim=0)                                         # [M*k, H]
     c1 = torch.zeros(M * k, 2 * I, dtype=acc, device=x.device)
     for e in torch.unique(experts).tolist():                                    # grouped base GEMM
         sel = experts == e
         c1[sel] = xs[sel] @ w13[e].to(acc).T
-    c1 += moe_lora_reference(x, topk_ids, topk_weights, token_lora, w13_lora_a, w13_lora_b).view(M * k, 2 * I)
+    xl = x if lora_input is None else _reads(lora_input, "lora_input", x.to(acc))
+    c1 += moe_lora_reference(xl, topk_ids, topk_weights, token_lora, w13_lora_a, w13_lora_b).view(M * k, 2 * I)
     h = F.silu(c1[:, :I]) * c1[:, I:]                                           # [M*k, I]
-    hb = h if base_input is None else _base_input(base_input, h)                # the W2 GEMM's input
+    hb = _reads(base_input, "base_input", h)                                    # the W2 GEMM's input
     c3 = torch.zeros(M * k, H, dtype=acc, device=x.device)
     for e in torch.unique(experts).tolist():
         sel = experts == e
         c3[sel] = hb[sel] @ w2[e].to(acc).T
     c3 = c3 * topk_weights.reshape(-1, 1).to(acc)
-    c3 += moe_lora_reference(h, topk_ids, topk_weights, token_lora, w2_lora_a, w2_lora_b,
-                             mul_routed_weight=True).view(M * k, H)
+    c3 += moe_lora_reference(_reads(lora_input, "lora_input", h), topk_ids, topk_weights, token_lora, w2_lora_a,
+                             w2_lora_b, mul_routed_weight=True).view(M * k, H)
     return c3.view(M, k, H).sum(dim=1)
 
 

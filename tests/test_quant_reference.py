@@ -90,8 +90,10 @@ def test_base_input_reaches_the_base_gemms_only():
 
 def test_base_input_refusals():
     p = _problem()
-    with pytest.raises(TypeError, match=r"^base_input: expected a function of the base GEMM's input or None, got str"):
+    with pytest.raises(TypeError, match=r"^base_input: expected a function of the GEMM's input or None, got str"):
         moe_layer_reference(**p.layer_inputs(), base_input="fp8")
+    with pytest.raises(TypeError, match=r"^lora_input: expected a function of the GEMM's input or None, got int"):
+        moe_layer_reference(**p.layer_inputs(), lora_input=3)
     with pytest.raises(ValueError, match=r"^base_input: returned \(32, 255\) torch.float32 for an input of \(32, 256\) "
                                          r"torch.float32; it must return a tensor of the same shape and dtype"):
         moe_layer_reference(**p.layer_inputs(), base_input=lambda t: t[:, 1:])

@@ -213,6 +213,17 @@ def predict_result(ex_id: str, guess, truth: float, *, rel: float, unit: str = "
                   (explain,) if explain and show else ())
 
 
+def with_known_misses(res: Result, guess, known: dict, rel: float) -> Result:
+    """``res`` with a nudge added where a failed ``guess`` lands within ``rel`` of a known mistake (``known``:
+    the value a mistake gives -> what to reconsider, never the answer)."""
+    if res.passed or isinstance(guess, bool) or not isinstance(guess, (int, float)) or not math.isfinite(guess):
+        return res
+    for value, say in known.items():
+        if abs(guess - value) <= rel * abs(value):
+            return Result(False, res.message, res.details, nudges=res.nudges + (say,))
+    return res
+
+
 def compare(ex_id: str, got, want, *, what: str = "output", rtol: float = 1e-4, atol: float = 1e-4,
             row_name: str = "row", max_rows: int = 5) -> Result | None:
     """None when ``got`` matches ``want`` (same shape, close); else a Result naming the wrong rows."""

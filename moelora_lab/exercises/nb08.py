@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .core import Result, Exercise, predict_result, register
+from .core import Result, Exercise, predict_result, register, with_known_misses
 
 NB = "08_beyond_one_gpu"
 
@@ -27,16 +27,12 @@ def _grade_dispatch(guess) -> Result:
     explain = (f"M k pairs, a fraction (W-1)/W of them to experts on the other rank, H values of b bytes each: "
                f"{M} · {k} · {W - 1}/{W} · {H} · {b} = {truth:,.0f} bytes")
     res = predict_result("08.dispatch_bytes", guess, truth, rel=0.05, unit=" B", explain=explain)
-    if res.passed or not isinstance(guess, (int, float)) or isinstance(guess, bool):
-        return res
-    known = {M * k * H * b: "that is every pair; the pairs whose expert lives on this rank never leave it",
-             M * H * b * (W - 1) / W: "that is one row per token; each token is sent once per expert it picked (k)",
-             M * k * H * (W - 1) / W: "that counts values; a bf16 value is 2 bytes",
-             M * k * H * b * (W - 1) / W * 2: "that is the dispatch and the combine together; the dispatch alone"}
-    for value, say in known.items():
-        if abs(guess - value) <= 0.05 * value:
-            return Result(False, res.message, res.details, nudges=(say,))
-    return res
+    return with_known_misses(res, guess, {
+        M * k * H * b: "that is every pair; the pairs whose expert lives on this rank never leave it",
+        M * H * b * (W - 1) / W: "that is one row per token; each token is sent once per expert it picked (k)",
+        M * k * H * (W - 1) / W: "that counts values; a bf16 value is 2 bytes",
+        M * k * H * b * (W - 1) / W * 2: "that is the dispatch and the combine together; the dispatch alone"},
+        rel=0.05)
 
 
 DISPATCH_STUB = '''\

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from .core import Exercise, Result, compare, predict_result, register
+from .core import Exercise, Result, compare, predict_result, register, with_known_misses
 
 NB = "09_backward_pass"
 
@@ -105,20 +105,15 @@ def _grade_t_bytes(guess) -> Result:
                f"weight kernel reads T once per N tile of dB (⌈{N}/{BN}⌉ = {n_reads}) and dT once per K tile of "
                f"dA (⌈{K}/{BK}⌉ = {k_reads}): {one:,} · (2 + {n_reads} + {k_reads}) = {truth:,.0f} bytes")
     res = predict_result("09.t_bytes", guess, truth, rel=0.05, unit=" B", explain=explain)
-    if res.passed or isinstance(guess, bool) or not isinstance(guess, (int, float)) or not math.isfinite(guess):
-        return res
-    known = {2 * one: "that writes T and dT but never reads them back; the weight kernel reads them, and "
-                      "more than once",
-             4 * one: "that reads T and dT back once each; the weight kernel reads them once per tile of its output",
-             truth / S: "w13 has two slices (gate and up), each with its own T and dT",
-             truth * 2: "T and dT are stored in x's dtype (bf16, 2 bytes), not in float32",
-             truth / q["k"]: "each token is k pairs, and each pair has its own row of T",
-             one * (1 + n_reads): "that is T alone; dT goes through HBM too",
-             one * (1 + k_reads): "that is dT alone; T goes through HBM too"}
-    for value, say in known.items():
-        if abs(guess - value) <= 0.05 * value:
-            return Result(False, res.message, res.details, nudges=res.nudges + (say,))
-    return res
+    return with_known_misses(res, guess, {
+        2 * one: "that writes T and dT but never reads them back; the weight kernel reads them, and "
+                 "more than once",
+        4 * one: "that reads T and dT back once each; the weight kernel reads them once per tile of its output",
+        truth / S: "w13 has two slices (gate and up), each with its own T and dT",
+        truth * 2: "T and dT are stored in x's dtype (bf16, 2 bytes), not in float32",
+        truth / q["k"]: "each token is k pairs, and each pair has its own row of T",
+        one * (1 + n_reads): "that is T alone; dT goes through HBM too",
+        one * (1 + k_reads): "that is dT alone; T goes through HBM too"}, rel=0.05)
 
 
 T_BYTES_STUB = '''\
@@ -167,16 +162,11 @@ def _grade_mean_scale(guess) -> Result:
                f"divides them by all {M}, and the other tokens add nothing to adapter 0's gradient: "
                f"{n0} / {M} = {truth:.3g}")
     res = predict_result("09.mean_scale", guess, truth, rel=0.02, explain=explain)
-    if res.passed or isinstance(guess, bool) or not isinstance(guess, (int, float)) or not math.isfinite(guess):
-        return res
-    known = {n0 / (n0 + n1): "the tokens without an adapter count in a mean over the batch too",
-             1.0: "the two losses divide adapter 0's token losses by different counts",
-             M / n0: "that is the joint loss's gradient as a multiple of the mean's: the other way round",
-             1 / (len(JOINT["tokens_per_adapter"]) + 1): "count tokens, not adapters"}
-    for value, say in known.items():
-        if abs(guess - value) <= 0.02 * value:
-            return Result(False, res.message, res.details, nudges=res.nudges + (say,))
-    return res
+    return with_known_misses(res, guess, {
+        n0 / (n0 + n1): "the tokens without an adapter count in a mean over the batch too",
+        1.0: "the two losses divide adapter 0's token losses by different counts",
+        M / n0: "that is the joint loss's gradient as a multiple of the mean's: the other way round",
+        1 / (len(JOINT["tokens_per_adapter"]) + 1): "count tokens, not adapters"}, rel=0.02)
 
 
 MEAN_SCALE_STUB = '''\

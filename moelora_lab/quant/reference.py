@@ -13,10 +13,9 @@ its input that it never saw in training.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from ..reference import moe_layer_reference, moe_lora_reference
-from ..validate import SPEC_DTYPES, check_bool, check_int, check_layer_base
+from ..reference import moe_layer_reference
+from ..validate import check_bool, check_int
 from .format import GROUP_SIZE, QuantizedExperts, dequantize_activation, quantize_activation
 
 
@@ -60,25 +59,5 @@ def lora_fed_quantized_reference(x, topk_ids, topk_weights, token_lora, experts:
     quantized-dequantized x and h as the base GEMMs. Its base is the spec's (same output without LoRA); only the
     LoRA term differs. ``quantize_inputs=False`` makes it the spec (nothing is quantized to feed the LoRA)."""
     w13, w2, base_input = _base(experts, group_size, quantize_inputs)
-    E, H, I = check_layer_base(x, topk_ids, w13, w2, dtypes=SPEC_DTYPES)
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    qdq = base_input or (lambda t: t)
-    M, k = topk_ids.shape
-    experts_of = topk_ids.reshape(-1).long()                                    # [M*k]
-    xb = qdq(x.to(acc))                                                         # read by the base AND the LoRA
-    xs = xb.repeat_interleave(k, dim=0)
-    c1 = torch.zeros(M * k, 2 * I, dtype=acc, device=x.device)
-    for e in torch.unique(experts_of).tolist():
-        sel = experts_of == e
-        c1[sel] = xs[sel] @ w13[e].to(acc).T
-    c1 += moe_lora_reference(xb, topk_ids, topk_weights, token_lora, w13_lora_a, w13_lora_b).view(M * k, 2 * I)
-    h = F.silu(c1[:, :I]) * c1[:, I:]
-    hb = qdq(h)                                                                 # likewise
-    c3 = torch.zeros(M * k, H, dtype=acc, device=x.device)
-    for e in torch.unique(experts_of).tolist():
-        sel = experts_of == e
-        c3[sel] = hb[sel] @ w2[e].to(acc).T
-    c3 = c3 * topk_weights.reshape(-1, 1).to(acc)
-    c3 += moe_lora_reference(hb, topk_ids, topk_weights, token_lora, w2_lora_a, w2_lora_b,
-                             mul_routed_weight=True).view(M * k, H)
-    return c3.view(M, k, H).sum(dim=1)
+    return moe_layer_reference(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a, w13_lora_b, w2_lora_a,
+                               w2_lora_b, base_input=base_input, lora_input=base_input)
