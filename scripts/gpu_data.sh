@@ -3,7 +3,7 @@
 # repository root:
 #   bash scripts/gpu_data.sh                 # every step, written to moelora_lab/data/h200
 #   OUT=/tmp/run bash scripts/gpu_data.sh kernels layer   # some steps, elsewhere
-# Steps: registers align kernels layout expand eager layer priority side_path profiler in_k gemm tma tune dram tests
+# Steps: registers align kernels layout expand eager layer priority side_path fp8 profiler in_k gemm tma tune dram tests
 # (default: all; dram needs Nsight Compute's ncu and a GPU whose counters it may read).
 # Each row records its provenance and the code's stamp (schema, tile-rule fingerprint, commit; see
 # moelora_lab/results.py); the notebooks refuse files whose stamp does not match the code.
@@ -24,7 +24,7 @@ bench() { echo "== $(date +%T) bench $*"; $PY -m moelora_lab.bench "$@" --out "$
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 echo "code $MOELORA_CODE_VERSION"
-ALL_STEPS=(registers align kernels layout expand eager layer priority side_path profiler in_k gemm tma tune dram tests)
+ALL_STEPS=(registers align kernels layout expand eager layer priority side_path fp8 profiler in_k gemm tma tune dram tests)
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=("${ALL_STEPS[@]}")
 for step in "${steps[@]}"; do
   case "$step" in
@@ -39,6 +39,11 @@ for step in "${steps[@]}"; do
                  --trace-tokens 0 --side-priority default --name layer_priority ;;
     side_path) bench layer --presets qwen3-30b-a3b deepseek-v2-lite --ranks 16 64 --tokens 1 2 3 4 8 16 24 32 64 \
                  --variants no_lora dual_stream dual_stream_side --trace-tokens 0 --name layer_side_path ;;
+    fp8)       # the same cases on the bf16 and on the FP8 base, one after the other: the ratio comes from one run
+               fp8_case=(--presets qwen3-30b-a3b --tokens 1 16 64 128 512 2048 8192 --ranks 16 64
+                         --variants no_lora sequential dual_stream --trace-tokens 0)
+               bench layer "${fp8_case[@]}" --name layer_fp8_bf16
+               bench layer "${fp8_case[@]}" --base fp8 --name layer_fp8 ;;
     profiler)  bench profiler ;;
     in_k)      bench in_k ;;
     gemm)      bench gemm --max-seconds 180 ;;

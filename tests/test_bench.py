@@ -237,3 +237,50 @@ def test_live_data_runs_the_benchmark_command(tmp_path, capsys):
     with pytest.raises(RuntimeError, match=r"bench align --presets tiny failed \(exit 2\):\n.*needs a GPU"):
         lesson.data("align", live=True, bench=["align", "--presets", "tiny"])
     assert "needs a GPU" in capsys.readouterr().err       # its messages are printed as they come
+
+
+def test_layer_base_option_and_fp8_refusals():
+    """--base parses (default: x's dtype), and on an FP8 base only the variants whose schedule serves it run."""
+    from moelora_lab.bench import layer_sweep
+    from moelora_lab.layer.table import SCHEDULES
+    args = cli.parse_args(["layer"])
+    assert args.base == "dtype" and layer_sweep.output_name(args) == "layer"
+    fp8 = cli.parse_args(["layer", "--base", "fp8"])
+    assert fp8.base == "fp8" and layer_sweep.output_name(fp8) == "layer_fp8"          # never over the bf16 file
+    assert layer_sweep.output_name(cli.parse_args(["layer", "--base", "fp8", "--name", "mine"])) == "mine"
+    with pytest.raises(SystemExit):
+        cli.parse_args(["layer", "--base", "int8"])
+    serving = {v for v in layer_sweep.VARIANTS if layer_sweep.fp8_refusal(v) is None}
+    assert serving == {"no_lora", "sequential", "dual_stream", "dual_stream_side", "sequential_vllm_join",
+                       "dual_stream_vllm_join", "plan", "no_lora_plan"}
+    assert layer_sweep.fp8_refusal("in_k") == SCHEDULES["in_k"].refuses_fp8()
+    assert "in_k pack" in layer_sweep.fp8_refusal("auto") and "bf16" in layer_sweep.fp8_refusal("base_gemms")
+
+
+def test_layer_fp8_pipeline(cpu_bench, tmp_path, monkeypatch, capsys):
+    """bench layer --base fp8 on the CPU: the FP8 GEMM runs in the timed callables, the refusing variants are
+    skipped with one line each, rows record their base, and the FP8 floor reads fewer weight bytes."""
+    from moelora_lab.bench import layer_sweep
+    from moelora_lab.quant import gemm
+    launched = []
+    real = gemm.moe_gemm_fp8
+    monkeypatch.setattr(gemm, "moe_gemm_fp8", lambda *a, **kw: [launched.append(1), real(*a, **kw)][1])
+    case = ["layer", "--presets", "tiny", "--tokens", "3", "--ranks", "8", "--dtype", "float32", "--trace-tokens",
+            "0", "--out", str(tmp_path)]
+    with pytest.warns(RuntimeWarning, match="on the CPU the layer runs 'sequential'"):
+        assert cli.main(case + ["--base", "fp8"]) == 0
+    skipped = [line for line in capsys.readouterr().err.splitlines() if line.startswith("--base fp8: skipping")]
+    refused = [v for v in layer_sweep.DEFAULT_VARIANTS if layer_sweep.fp8_refusal(v)]
+    assert [line.split()[3].rstrip(":") for line in skipped] == refused and "in_k" in refused
+    assert launched                                     # the layer's base GEMMs ran in FP8
+    rows = read_csv(tmp_path / "layer_fp8.csv")
+    assert not (tmp_path / "layer.csv").exists()
+    assert [r["variant"] for r in rows] == [v for v in layer_sweep.DEFAULT_VARIANTS if v not in refused]
+    assert {r["base"] for r in rows} == {"fp8"} and all(r["us_median"] == 10.0 for r in rows)
+    with pytest.warns(RuntimeWarning, match="on the CPU the layer runs 'sequential'"):
+        assert cli.main(case + ["--variants", "no_lora", "sequential", "dual_stream"]) == 0
+    bf = {r["variant"]: r for r in read_csv(tmp_path / "layer.csv")}
+    assert {r["base"] for r in bf.values()} == {"float32"}
+    for r in rows:
+        if r["variant"] in bf:                            # 1 byte a weight (+ scales) against 4
+            assert 0 < r["floor_bytes"] < bf[r["variant"]]["floor_bytes"]

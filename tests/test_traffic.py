@@ -207,3 +207,41 @@ def test_layer_traffic_without_lora_and_errors(wl):
         layer_traffic(SimpleNamespace(intermediate=4, num_experts=4, top_k=2), 2, wl)
     with pytest.raises(ValueError, match="lora_path: 'bmm' is not one of"):
         layer_traffic(SHAPE, 2, wl, lora_path="bmm")
+
+
+def test_layer_traffic_fp8_base(wl):
+    """An FP8 base: weights at 1 byte an element + 4 a scale block, each GEMM's input quantized first."""
+    st = layer_traffic(SHAPE, 2, wl, base="fp8", fp8_block=(4, 3), fp8_group=3)
+    assert list(st) == ["quant_x", "base_w13", "lora_w13", "act", "quant_h", "base_w2", "lora_w2", "sum",
+                        "total", "floor"]
+    # weights of one expert: w13 [8, 8] 64 + 4*ceil(8/4)*ceil(8/3)=24 -> 88; w2 [8, 4] 32 + 4*2*ceil(4/3)=16 -> 48
+    # quant_x: read x 2*8*2=32, write xq 2*8=16 + scales 2*ceil(8/3)*4=24 -> 72
+    # base_w13: xq 40 + w13 3*88=264 + c1 64 -> 368
+    # quant_h: read h 2*2*4*2=32, write hq 4*4=16 + scales 4*ceil(4/3)*4=32 -> 80
+    # base_w2: hq 48 + w2 3*48=144 + c3 64 -> 256; the LoRA stages and the joins as on the bf16 base
+    bytes_ = {name: st[name].bytes for name in st}
+    assert bytes_ == {"quant_x": 72, "base_w13": 368, "lora_w13": 384, "act": 160, "quant_h": 80,
+                      "base_w2": 256, "lora_w2": 240, "sum": 160, "total": 1720, "floor": 904}
+    assert dict(st["quant_x"].parts) == {"x": 32, "xq": 40} and dict(st["base_w13"].parts)["xq"] == 40
+    assert dict(st["base_w2"].parts) == {"hq": 48, "w2": 144, "c3": 64}
+    # floor: x read once in its dtype 32 + base 3*(88+48)=408 + LoRA 432 + y 32
+    assert dict(st["floor"].parts) == {"x": 32, "base_weights": 408, "lora_weights": 432, "y": 32}
+    # FLOPs: the bf16 base's 1536 + the quantizations' 2 per element (2*8*2 + 2*4*4)
+    assert st["total"].flops == st["floor"].flops == 1536 + 32 + 32
+    assert st["total"].launches == layer_traffic(SHAPE, 2, wl)["total"].launches + 2
+
+
+def test_layer_traffic_fp8_default_blocks_and_errors(wl):
+    # (128, 128) blocks and groups of 128: one scale per expert weight and per row here
+    st = layer_traffic(SHAPE, 2, wl, with_lora=False, base="fp8")
+    # quant_x 32 + 2*(8+4)=24; base_w13 24 + 3*(64+4) + 64; quant_h 32 + 4*(4+4)=32; base_w2 32 + 3*(32+4) + 64;
+    # act 96, sum 96
+    assert st["total"].bytes == 56 + 292 + 64 + 204 + 96 + 96
+    assert st["floor"].bytes == 32 + 3 * (68 + 36) + 32
+    assert layer_traffic(SHAPE, 2, wl, base="dtype") == layer_traffic(SHAPE, 2, wl)   # the default: unchanged
+    with pytest.raises(ValueError, match="base: 'int8' is not one of"):
+        layer_traffic(SHAPE, 2, wl, base="int8")
+    with pytest.raises(TypeError, match=r"fp8_block: expected a pair \(BN, BK\)"):
+        layer_traffic(SHAPE, 2, wl, base="fp8", fp8_block=128)
+    with pytest.raises(ValueError, match="fp8_group"):
+        layer_traffic(SHAPE, 2, wl, base="fp8", fp8_group=0)

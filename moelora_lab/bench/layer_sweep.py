@@ -24,7 +24,11 @@ out of reach. Timelines of the default rows that read the unpacked weights (the 
 stream and on two, and the in-GEMM rows where L*r fits) are captured for ``--trace-tokens`` x
 ``--trace-ranks`` and saved to one JSON file. LoRA B is stored N-fastest (``pack_lora_b``), the
 layout the library recommends. ``--side-priority default`` runs the side stream at default priority
-instead of the highest (the comparison behind ``layer.aux_stream``).
+instead of the highest (the comparison behind ``layer.aux_stream``). ``--base fp8`` quantizes the base weights
+once per shape (``quant.quantize_experts``, (128, 128) blocks) and times only the variants whose schedule serves
+a quantized base (``fp8_refusal``), written to ``layer_fp8`` by default; every row records its ``base`` (x's
+dtype or fp8), and an FP8 row's byte floor counts FP8 weights (``layer_traffic(base="fp8")``), its roofline
+still the bf16 matmul rate.
 
 Shape legend: M tokens, E experts, k top-k, L adapters, r rank, H hidden, I expert intermediate.
 """
@@ -48,6 +52,7 @@ from ..profile.gpu_state import GpuMonitor
 from ..profile.timeline import capture_timeline, overlap_metrics, recorded_lora_path, save_traces
 from ..profile.trace_events import export_trace_files
 from ..profile.traffic import count_workload, layer_traffic
+from ..quant import quantize_experts
 from ..summary import KERNEL_ROWS, SIDE_PLAN_ROWS, VLLM_JOIN_ROWS, side_plan_variant, vllm_join_variant
 from .common import base_weights, device, grouped_mm_fns, progress, seeded_generator, sweep_parser, sweep_routing
 
@@ -80,6 +85,27 @@ SHARED_PLAN = tuple(name for name, row in SCHEDULES.items()
                     if row.lora_blocks and row.plan_path is None and not row.gemm_lora_tiles)
 # rows whose timelines are captured: the default rows on the weights as given
 TRACED = tuple(name for name, row in SCHEDULES.items() if name in DEFAULT_VARIANTS and not row.needs_pack)
+BASES = ("dtype", "fp8")     # the base weights: in x's dtype (--dtype), or quantized to FP8
+FP8_BLOCK = (128, 128)       # the checkpoints' weight scale block
+# variants that run without a schedule row, and why each cannot run on an FP8 base (None: it can)
+FP8_OTHERS = {"no_lora": None, "no_lora_plan": None, "plan": None,
+              AUTO: "it runs on the in_k pack (pack_in_k), which FP8 weights cannot hold",
+              AUTO_PLAN: "it runs on the in_k pack (pack_in_k), which FP8 weights cannot hold",
+              "base_gemms": "it times the bf16 grouped GEMM (base_moe.moe_gemm) itself",
+              "grouped_mm": "torch._grouped_mm multiplies bf16/fp16/fp32 weights only"}
+
+
+def fp8_refusal(variant: str) -> str | None:
+    """Why ``variant`` cannot run on a quantized (FP8) base, or None: the refusal of the schedule row it asks
+    for (``refuses_fp8``), else its entry in FP8_OTHERS."""
+    row = SCHEDULES.get(SCHEDULE_OF.get(variant, ""))
+    return row.refuses_fp8() if row is not None else FP8_OTHERS[variant]
+
+
+def output_name(args) -> str:
+    """The CSV's file stem: ``--name``, but an FP8 run left at the default name writes ``layer_fp8`` (never over
+    the bf16 file)."""
+    return f"{NAME}_fp8" if args.base == "fp8" and args.name == NAME else args.name
 
 
 def _epilog() -> str:
@@ -101,6 +127,11 @@ def add_parser(sub):
                    help="ranks r of the recorded timelines (default: %(default)s)")
     y.add_argument("--side-priority", choices=SIDE_PRIORITIES, default=SIDE_PRIORITIES[0],
                    help="priority of the LoRA side stream of the two-stream schedules (default: %(default)s)")
+    y.add_argument("--base", choices=BASES, default=BASES[0],
+                   help="the base weights: 'dtype' in --dtype as given (recorded as its name), 'fp8' quantized "
+                        "once per shape to FP8 e4m3 with (128, 128) block scales, timing only the variants that "
+                        "serve it (no_lora, sequential, dual_stream and their side-plan and vLLM-join rows, plan) "
+                        "and written to layer_fp8 unless --name names another file (default: %(default)s)")
     y.add_argument("--trace-events", action="store_true",
                    help="also write the timelines as Chrome trace-event JSON (<out>/<name>_traces.trace.json, one "
                         "process per case) for Perfetto or chrome://tracing")
@@ -116,6 +147,13 @@ def _fits(variant: str, num_loras: int, rank: int) -> bool:
 def run_layer(args) -> tuple[list[dict], dict]:
     """The timed rows, and the timelines by case name ({meta, records, metrics})."""
     dtype = getattr(torch, args.dtype)
+    fp8 = args.base == "fp8"
+    base_name = "fp8" if fp8 else args.dtype
+    variants = list(args.variants)
+    if fp8:
+        for name in [v for v in variants if fp8_refusal(v)]:
+            print(f"--base fp8: skipping {name}: {fp8_refusal(name)}", file=sys.stderr)
+        variants = [v for v in variants if not fp8_refusal(v)]
     prov = timing.provenance(args.command)
     copy_bps, flops_per_s = timing.copy_bandwidth(), timing.matmul_rate(dtype)
     gen = seeded_generator(args.seed)
@@ -130,6 +168,7 @@ def run_layer(args) -> tuple[list[dict], dict]:
         E, H, I, k, L = shape.num_experts, shape.hidden, shape.intermediate, shape.top_k, args.loras
         if not rows or rows[-1]["preset"] != preset:
             w13, w2 = base_weights(shape, gen, dtype)
+            quantized = quantize_experts(w13, w2, block_size=FP8_BLOCK) if fp8 else None
         lora = dict(layer_lora_weights(shape, L, rank, gen, dtype), side_priority=args.side_priority)
         ids, tw, tl = sweep_routing(shape, L, M, args.seed)
         x = torch.randn(M, H, device=device(), generator=gen, dtype=dtype)
@@ -142,14 +181,14 @@ def run_layer(args) -> tuple[list[dict], dict]:
         plan_a = plan_layer(ids, tl, E, L, rank, intermediate=I)      # as moe_lora_layer builds it
         plan_of.update({AUTO: plan_a, AUTO_PLAN: plan_a})                      # every other variant runs plan_l's path
         plan_b = plan_layer(ids, tl, E, None, None)
-        base = (x, ids, tw, tl, w13, w2)
-        pack = pack_in_k(w13, w2, lora["w13_lora_b"], lora["w2_lora_b"])     # a second copy: the bench's only
-        packed = (x, ids, tw, tl, pack.w13, pack.w2)
+        base = (x, ids, tw, tl, *((quantized.w13, quantized.w2) if fp8 else (w13, w2)))
+        pack = None if fp8 else pack_in_k(w13, w2, lora["w13_lora_b"], lora["w2_lora_b"])   # the bench's only copy
+        packed = None if fp8 else (x, ids, tw, tl, pack.w13, pack.w2)
         h = torch.randn(M * k, I, device=device(), generator=gen, dtype=dtype)
         c1 = torch.empty(M * k, 2 * I, device=device(), dtype=dtype)
         c3 = torch.empty(M * k, H, device=device(), dtype=dtype)
         tiles, wflat = gemm_tiles(M * k, E), tw.reshape(-1).contiguous()
-        grouped = grouped_mm_fns(x, h, ids, w13, w2)
+        grouped = () if fp8 else grouped_mm_fns(x, h, ids, w13, w2)
 
         def layer_fn(variant, schedule, join="fold"):
             """The LoRA layer as ``variant`` runs it: ``schedule`` with ``join``, on the pack where it needs it."""
@@ -174,9 +213,10 @@ def run_layer(args) -> tuple[list[dict], dict]:
                                        validate=False),
         }
         work = count_workload(ids, tl, E, L)
-        floors = {True: layer_traffic(shape, rank, work, lora_path=plan_l.lora_path)["floor"],
-                  False: layer_traffic(shape, rank, work, with_lora=False)["floor"]}
-        names = [n for n in args.variants if _fits(n, L, rank)]             # L*r too wide: no in-GEMM rows
+        nb = dict(dtype_bytes=x.element_size(), base="fp8" if fp8 else "dtype")
+        floors = {True: layer_traffic(shape, rank, work, lora_path=plan_l.lora_path, **nb)["floor"],
+                  False: layer_traffic(shape, rank, work, with_lora=False, **nb)["floor"]}
+        names = [n for n in variants if _fits(n, L, rank)]                  # L*r too wide: no in-GEMM rows
         with GpuMonitor() as state:                  # the clock and power while this case's variants ran
             timed = timing.time_cuda_interleaved({n: fns[n] for n in names}, rounds=ROUNDS)
         streams_run = _streams_run(torch.device(device()))
@@ -195,10 +235,11 @@ def run_layer(args) -> tuple[list[dict], dict]:
                     warnings.simplefilter("ignore", RuntimeWarning)
                     ran = resolve_schedule(asks, torch.device(device()), num_pairs=M * k, num_experts=E,
                                            num_loras=L, rank=rank, in_k_columns=L * rank if name in PACKED else None,
-                                           join="vllm" if name in VLLM_OF else "fold")
+                                           join="vllm" if name in VLLM_OF else "fold", quantized=fp8)
             path = recorded_lora_path(ran, (plan_of.get(name) or plan_of.get(asks) or plan_l).lora_path)
             two = streams_run and ran in SCHEDULES and SCHEDULES[ran].streams > 1     # a side stream really ran
-            rows.append(dict(preset=preset, M=M, rank=rank, loras=L, variant=name, schedule=ran, lora_path=path,
+            rows.append(dict(preset=preset, M=M, rank=rank, loras=L, base=base_name, variant=name, schedule=ran,
+                             lora_path=path,
                              side_priority=args.side_priority if two else "",
                              us_median=med, us_p20=p20, us_p80=p80, floor_bytes=floor.bytes,
                              floor_us=round(floor.floor_us(copy_bps), 2),
@@ -206,7 +247,7 @@ def run_layer(args) -> tuple[list[dict], dict]:
                              copy_tbps=round(copy_bps / 1e12, 4), matmul_tflops=round(flops_per_s / 1e12, 1),
                              error=error, **state.summary(), **prov))
         if M in args.trace_tokens and rank in args.trace_ranks:
-            for sched in (s for s in TRACED if _fits(s, L, rank)):
+            for sched in (s for s in TRACED if _fits(s, L, rank) and not (fp8 and fp8_refusal(s))):
                 pl = plan_of.get(sched, plan_l)
                 run = (lambda tr, s=sched, pl=pl: moe_lora_layer(*base, **lora, schedule=s, plan=pl, tracer=tr))
                 try:
@@ -214,7 +255,7 @@ def run_layer(args) -> tuple[list[dict], dict]:
                 except Exception as exc:  # keep the timings even if a trace fails
                     print(f"trace {preset} M={M} r={rank} {sched} failed: {exc}", file=sys.stderr)
                     continue
-                meta = dict(preset=preset, M=M, rank=rank, loras=L, schedule=sched,
+                meta = dict(preset=preset, M=M, rank=rank, loras=L, base=base_name, schedule=sched,
                             lora_path=recorded_lora_path(sched, pl.lora_path),
                             floor_us=round(floors[True].floor_us(copy_bps), 2), copy_tbps=round(copy_bps / 1e12, 4),
                             **prov)
@@ -227,6 +268,7 @@ def run_layer(args) -> tuple[list[dict], dict]:
 
 def run(args) -> list[dict]:
     """Time the layer; write its timelines to ``<out>/<name>_traces.json`` (none on the CPU)."""
+    args.name = output_name(args)              # the CSV's name too (cli writes <out>/<args.name>.csv)
     rows, traces = run_layer(args)
     if traces:
         args.out.mkdir(parents=True, exist_ok=True)

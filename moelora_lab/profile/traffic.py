@@ -20,6 +20,10 @@ from ..validate import INDEX_DTYPES, check_choice, check_int, check_range, check
 # the Triton paths of ``paths.PATHS`` plus a modelled PyTorch baseline (gather each pair's weights, then bmm)
 LORA_PATHS = TRITON_PATHS + ("gather_bmm",)
 X_ROWS = ("token", "pair")
+# the layer's base weights: in the activations' dtype (dtype_bytes each), or FP8 e4m3 with float32 block scales
+BASES = ("dtype", "fp8")
+FP8_BLOCK = (128, 128)      # the checkpoints' weight scale block (quant.BLOCK_SIZE)
+FP8_GROUP = 128             # the activations' scale group along K (quant.GROUP_SIZE)
 
 
 def _expected_distinct(bins: int, draws: int) -> int:
@@ -237,6 +241,26 @@ def _shape_int(shape, attr: str) -> int:
     return check_int(f"shape.{attr}", getattr(shape, attr), low=1)
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _fp8_weight_bytes(n: int, k: int, block: tuple[int, int]) -> int:
+    """Bytes of one expert's FP8 weight [N, K]: one per element plus four per (BN, BK) scale block."""
+    return n * k + 4 * _cdiv(n, block[0]) * _cdiv(k, block[1])
+
+
+def _fp8_rows_bytes(rows: int, k: int, group: int) -> int:
+    """Bytes of ``rows`` FP8 activation rows of K columns: one per element plus four per group scale."""
+    return rows * (k + 4 * _cdiv(k, group))
+
+
+def _quantize_stage(name: str, rows: int, k: int, b: int, group: int) -> Traffic:
+    """The activation quantization of ``rows`` x [rows, K]: read in its dtype, write the FP8 rows and their
+    scales; FLOPs 2 per element (the magnitude's max, the scaling)."""
+    return _traffic([(name, rows * k * b)], [(f"{name}q", _fp8_rows_bytes(rows, k, group))], 2 * rows * k, 1)
+
+
 def layer_traffic(
     shape,
     rank: int,
@@ -245,6 +269,9 @@ def layer_traffic(
     dtype_bytes: int = 2,
     lora_path: str = "one_shot",
     with_lora: bool = True,
+    base: str = "dtype",
+    fp8_block: tuple[int, int] = FP8_BLOCK,
+    fp8_group: int = FP8_GROUP,
 ) -> dict[str, Traffic]:
     """Traffic of one MoE layer with LoRA, stage by stage (H hidden, I intermediate).
 
@@ -266,6 +293,16 @@ def layer_traffic(
     floor     fully fused: x read once, every touched base weight (T_e*3*I*H*b) and touched
               LoRA weight (T*(W1_w13 + W1_w2)*b) read once, y written once; FLOPs of total, 1 launch.
     Without LoRA the lora stages are left out (and no LoRA weights enter the floor).
+
+    ``base="fp8"``: the base weights are FP8 (``quant``): a weight [N, K] is N*K bytes plus 4 per
+    ``fp8_block`` (BN, BK) scale block, and each base GEMM's input rows are quantized first, per group of
+    ``fp8_group`` columns (SKx = ceil(K / G) scales a row), by a stage of their own:
+    quant_x   read x M*H*b, write xq M*H + its scales M*SKx*4; FLOPs 2*M*H, 1 launch.
+    base_w13  reads xq and its scales (M*(H + SKx*4)) instead of x, and T_e FP8 w13 instead of bf16.
+    quant_h   read h M*k*I*b, write hq M*k*I + M*k*SKx*4; FLOPs 2*M*k*I, 1 launch.
+    base_w2   reads hq and its scales instead of h, and T_e FP8 w2. c1, c3, the LoRA stages and the joins
+              keep the activations' dtype (b). The floor reads x once in its dtype (fused, the quantization
+              never reaches HBM) and the touched FP8 base weights with their scales.
     """
     h_dim, i_dim = _shape_int(shape, "hidden"), _shape_int(shape, "intermediate")
     n_experts, k = _shape_int(shape, "num_experts"), _shape_int(shape, "top_k")
@@ -275,15 +312,28 @@ def layer_traffic(
     check_choice("lora_path", lora_path, LORA_PATHS)
     if not isinstance(with_lora, bool):
         raise TypeError(f"with_lora: expected a bool, got {type(with_lora).__name__} {with_lora!r}")
+    check_choice("base", base, BASES)
+    if not (isinstance(fp8_block, (tuple, list)) and len(fp8_block) == 2):
+        raise TypeError(f"fp8_block: expected a pair (BN, BK) such as {FP8_BLOCK}, got {fp8_block!r}")
+    block = (check_int("fp8_block[0]", fp8_block[0], low=1), check_int("fp8_block[1]", fp8_block[1], low=1))
+    group = check_int("fp8_group", fp8_group, low=1)
     if wl.top_k != k:
         raise ValueError(f"workload: top_k is {wl.top_k} but shape.top_k is {k}; count the workload with the layer's top_k")
     if wl.touched_experts > n_experts:
         raise ValueError(f"workload: touched_experts is {wl.touched_experts}, more than shape.num_experts = {n_experts}")
 
     m, te = wl.num_tokens, wl.touched_experts
+    fp8 = base == "fp8"
+    # one expert's base weights in bytes, and the base GEMMs' input reads (FP8 rows and scales, or x / h as given)
+    w13_bytes = _fp8_weight_bytes(2 * i_dim, h_dim, block) if fp8 else 2 * i_dim * h_dim * b
+    w2_bytes = _fp8_weight_bytes(h_dim, i_dim, block) if fp8 else h_dim * i_dim * b
+    x_in = ("xq", _fp8_rows_bytes(m, h_dim, group)) if fp8 else ("x", m * h_dim * b)
+    h_in = ("hq", _fp8_rows_bytes(m * k, i_dim, group)) if fp8 else ("h", m * k * i_dim * b)
     stages: dict[str, Traffic] = {}
+    if fp8:
+        stages["quant_x"] = _quantize_stage("x", m, h_dim, b, group)
     stages["base_w13"] = _traffic(
-        [("x", m * h_dim * b), ("w13", te * 2 * i_dim * h_dim * b)],
+        [x_in, ("w13", te * w13_bytes)],
         [("c1", m * k * 2 * i_dim * b)],
         2 * m * k * 2 * i_dim * h_dim, 1,
     )
@@ -297,8 +347,10 @@ def layer_traffic(
     d13 = [("d13", pr * 2 * i_dim * b)] if with_lora else []
     stages["act"] = _traffic([("c1", m * k * 2 * i_dim * b)] + d13, [("h", m * k * i_dim * b)],
                              5 * m * k * i_dim + pa * 2 * i_dim, 1)
+    if fp8:
+        stages["quant_h"] = _quantize_stage("h", m * k, i_dim, b, group)
     stages["base_w2"] = _traffic(
-        [("h", m * k * i_dim * b), ("w2", te * h_dim * i_dim * b)],
+        [h_in, ("w2", te * w2_bytes)],
         [("c3", m * k * h_dim * b)],
         2 * m * k * h_dim * i_dim + m * k * h_dim, 1,
     )
@@ -313,7 +365,7 @@ def layer_traffic(
 
     total = sum(stages.values())
     lora_elems = (2 * r * h_dim + 2 * i_dim * r) + (r * i_dim + h_dim * r)
-    floor_reads = [("x", m * h_dim * b), ("base_weights", te * 3 * i_dim * h_dim * b)]
+    floor_reads = [("x", m * h_dim * b), ("base_weights", te * (w13_bytes + w2_bytes))]
     if with_lora:
         floor_reads.append(("lora_weights", wl.touched_adapter_experts * lora_elems * b))
     stages["total"] = total
