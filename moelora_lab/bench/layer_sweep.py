@@ -86,7 +86,6 @@ SHARED_PLAN = tuple(name for name, row in SCHEDULES.items()
 # rows whose timelines are captured: the default rows on the weights as given
 TRACED = tuple(name for name, row in SCHEDULES.items() if name in DEFAULT_VARIANTS and not row.needs_pack)
 BASES = ("dtype", "fp8")     # the base weights: in x's dtype (--dtype), or quantized to FP8
-FP8_BLOCK = (128, 128)       # the checkpoints' weight scale block
 # variants that run without a schedule row, and why each cannot run on an FP8 base (None: it can)
 FP8_OTHERS = {"no_lora": None, "no_lora_plan": None, "plan": None,
               AUTO: "it runs on the in_k pack (pack_in_k), which FP8 weights cannot hold",
@@ -168,7 +167,7 @@ def run_layer(args) -> tuple[list[dict], dict]:
         E, H, I, k, L = shape.num_experts, shape.hidden, shape.intermediate, shape.top_k, args.loras
         if not rows or rows[-1]["preset"] != preset:
             w13, w2 = base_weights(shape, gen, dtype)
-            quantized = quantize_experts(w13, w2, block_size=FP8_BLOCK) if fp8 else None
+            quantized = quantize_experts(w13, w2) if fp8 else None     # the checkpoints' (128, 128) blocks
         lora = dict(layer_lora_weights(shape, L, rank, gen, dtype), side_priority=args.side_priority)
         ids, tw, tl = sweep_routing(shape, L, M, args.seed)
         x = torch.randn(M, H, device=device(), generator=gen, dtype=dtype)

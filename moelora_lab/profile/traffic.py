@@ -15,6 +15,7 @@ import torch
 
 from ..base_moe import rows_as_tile
 from ..op.paths import TRITON_PATHS
+from ..quant.format import BLOCK_SIZE, GROUP_SIZE, check_block_size
 from ..validate import INDEX_DTYPES, check_choice, check_int, check_range, check_tensor
 
 # the Triton paths of ``paths.PATHS`` plus a modelled PyTorch baseline (gather each pair's weights, then bmm)
@@ -22,8 +23,6 @@ LORA_PATHS = TRITON_PATHS + ("gather_bmm",)
 X_ROWS = ("token", "pair")
 # the layer's base weights: in the activations' dtype (dtype_bytes each), or FP8 e4m3 with float32 block scales
 BASES = ("dtype", "fp8")
-FP8_BLOCK = (128, 128)      # the checkpoints' weight scale block (quant.BLOCK_SIZE)
-FP8_GROUP = 128             # the activations' scale group along K (quant.GROUP_SIZE)
 
 
 def _expected_distinct(bins: int, draws: int) -> int:
@@ -270,8 +269,8 @@ def layer_traffic(
     lora_path: str = "one_shot",
     with_lora: bool = True,
     base: str = "dtype",
-    fp8_block: tuple[int, int] = FP8_BLOCK,
-    fp8_group: int = FP8_GROUP,
+    fp8_block: tuple[int, int] = BLOCK_SIZE,
+    fp8_group: int = GROUP_SIZE,
 ) -> dict[str, Traffic]:
     """Traffic of one MoE layer with LoRA, stage by stage (H hidden, I intermediate).
 
@@ -313,9 +312,9 @@ def layer_traffic(
     if not isinstance(with_lora, bool):
         raise TypeError(f"with_lora: expected a bool, got {type(with_lora).__name__} {with_lora!r}")
     check_choice("base", base, BASES)
-    if not (isinstance(fp8_block, (tuple, list)) and len(fp8_block) == 2):
-        raise TypeError(f"fp8_block: expected a pair (BN, BK) such as {FP8_BLOCK}, got {fp8_block!r}")
-    block = (check_int("fp8_block[0]", fp8_block[0], low=1), check_int("fp8_block[1]", fp8_block[1], low=1))
+    block = check_block_size("fp8_block", fp8_block)
+    if block is None:
+        raise TypeError(f"fp8_block: expected a pair (BN, BK) such as {BLOCK_SIZE}; the model counts block scales")
     group = check_int("fp8_group", fp8_group, low=1)
     if wl.top_k != k:
         raise ValueError(f"workload: top_k is {wl.top_k} but shape.top_k is {k}; count the workload with the layer's top_k")

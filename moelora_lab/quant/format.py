@@ -36,13 +36,14 @@ def _per_max(amax: torch.Tensor) -> torch.Tensor:
     return amax / torch.full_like(amax, FP8_MAX)
 
 
-def _check_block(block_size, n: int, k: int) -> tuple[int, int]:
+def check_block_size(name: str, block_size) -> tuple[int, int] | None:
+    """A weight scale block (BN, BK) of positive ints, or None (one scale per expert); a named error otherwise."""
     if block_size is None:
-        return n, k
+        return None
     if not (isinstance(block_size, (tuple, list)) and len(block_size) == 2):
-        raise TypeError(f"block_size: expected a pair (BN, BK) such as {BLOCK_SIZE}, or None for one scale per "
+        raise TypeError(f"{name}: expected a pair (BN, BK) such as {BLOCK_SIZE}, or None for one scale per "
                         f"expert, got {block_size!r}")
-    return check_int("block_size[0]", block_size[0], low=1), check_int("block_size[1]", block_size[1], low=1)
+    return check_int(f"{name}[0]", block_size[0], low=1), check_int(f"{name}[1]", block_size[1], low=1)
 
 
 def _check_finite(name: str, t: torch.Tensor) -> None:
@@ -64,7 +65,7 @@ class FP8Weight:
     def __post_init__(self) -> None:
         check_tensor("data", self.data, ndim=3, dtypes=(FP8_DTYPE,), legend="[E, N, K]")
         E, N, K = self.data.shape
-        BN, BK = _check_block(self.block_size, N, K)
+        BN, BK = check_block_size("block_size", self.block_size) or (N, K)
         object.__setattr__(self, "block_size", (BN, BK))
         check_tensor("scale", self.scale, dtypes=(torch.float32,), shape=(E, _cdiv(N, BN), _cdiv(K, BK)),
                      legend=f"[E, ceil(N / {BN}), ceil(K / {BK})]", device=self.data.device)
@@ -118,7 +119,7 @@ def quantize_weight(w: torch.Tensor, block_size=BLOCK_SIZE) -> FP8Weight:
     check_tensor("w", w, ndim=3, dtypes=FLOAT_DTYPES, legend="[E, N, K]")
     E, N, K = w.shape
     _check_finite("w", w)
-    BN, BK = _check_block(block_size, N, K)
+    BN, BK = check_block_size("block_size", block_size) or (N, K)
     SN, SK = _cdiv(N, BN), _cdiv(K, BK)
     padded = w.new_zeros(E, SN * BN, SK * BK, dtype=torch.float32)
     padded[:, :N, :K] = w.float()
