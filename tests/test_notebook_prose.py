@@ -22,7 +22,7 @@ def test_the_lab_has_its_notebooks():
     names = [p.stem for p in NOTEBOOKS]
     assert names == ["00_tour", "01_routing", "02_hbm_round_trip", "03_register_resident_rank",
                      "04_stream_overlap", "05_layer_design", "06_capstone", "07_adapters",
-                     "08_beyond_one_gpu", "09_backward_pass"]
+                     "08_beyond_one_gpu", "09_backward_pass", "10_quantized_base"]
 
 
 @pytest.mark.parametrize("path", EVERY_NOTEBOOK, ids=lambda p: p.stem)

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from moelora_lab import LoRAShape, MoEShape, make_problem
-from moelora_lab.quant.format import quantize_experts
-from moelora_lab.quant.reference import (lora_fed_quantized_reference, moe_layer_reference_fp8,
+from moelora_lab.quant.format import quantize_activation, quantize_experts
+from moelora_lab.quant.reference import (fp8_codes, lora_fed_quantized_reference, moe_layer_reference_fp8,
                                          quantize_dequantize_activation)
 from moelora_lab.reference import moe_layer_reference, moe_lora_reference
 
@@ -141,6 +141,17 @@ def test_the_lora_path_never_sees_quantization():
     assert torch.equal(moe_layer_reference_fp8(**_fp8_inputs(p, inputs=inputs)), ref)
     mistaken = lora_fed_quantized_reference(**_fp8_inputs(p, inputs=inputs))
     assert _rel(mistaken, ref) > 0.02                         # FP8 rounding of x and h: about 2.65% each
+    codes = lora_fed_quantized_reference(**_fp8_inputs(p, inputs=inputs), scaled=False)
+    assert _rel(codes, ref) > 10                              # x / scale: every group's max magnified to 448
+
+
+def test_fp8_codes_are_the_activation_without_its_scales():
+    t = torch.randn(6, 300) * torch.logspace(-3, 1, 6)[:, None]
+    codes, scale = fp8_codes(t), quantize_activation(t)[1]
+    assert codes.dtype == t.dtype and codes.abs().amax(1).tolist() == [448.0] * 6
+    torch.testing.assert_close(codes * scale.repeat_interleave(128, 1)[:, :300], quantize_dequantize_activation(t),
+                               rtol=0, atol=0)
+    assert fp8_codes(t.double()).dtype == torch.float64
 
 
 def test_the_mistake_adds_error_to_the_lora_term():
@@ -180,5 +191,7 @@ def test_refusals():
         moe_layer_reference_fp8(**inputs, group_size=0)
     with pytest.raises(TypeError, match=r"^quantize_inputs: expected True or False, got str 'no'"):
         lora_fed_quantized_reference(**inputs, quantize_inputs="no")
+    with pytest.raises(TypeError, match=r"^scaled: expected True or False, got int 0"):
+        lora_fed_quantized_reference(**inputs, scaled=0)
     with pytest.raises(ValueError, match=r"^x: has 255 features but w13 expects H=256"):
         lora_fed_quantized_reference(**(inputs | {"x": p.x[:, 1:]}))

@@ -6,7 +6,7 @@
 ``python -m moelora_lab.exercises list | check | check --stubs`` (see ``__main__``). Each notebook's
 exercises live in ``nb<NN>.py``; the framework in ``core``; the load/store counter in ``memory``.
 """
-from . import nb01, nb02, nb03, nb04, nb05, nb06, nb07, nb08, nb09  # noqa: F401  (each registers its exercises)
+from . import nb01, nb02, nb03, nb04, nb05, nb06, nb07, nb08, nb09, nb10  # noqa: F401  (each registers its exercises)
 from .core import EXERCISES, KINDS, Exercise, Result, check, get, hint, load_solution, load_source
 from .memory import MemoryCount, count_memory
 

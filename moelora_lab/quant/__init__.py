@@ -4,10 +4,10 @@ from .format import (BLOCK_SIZE, FP8_DTYPE, FP8_MAX, GROUP_SIZE, FP8Weight, Quan
                      quantize_activation, quantize_experts, quantize_weight)
 from .gemm import base_gemm, fp8_block_k, fp8_gemm_tiles, moe_gemm_fp8, quantize_rows
 from .files import load_fp8_experts, save_fp8_experts
-from .reference import lora_fed_quantized_reference, moe_layer_reference_fp8, quantize_dequantize_activation
+from .reference import fp8_codes, lora_fed_quantized_reference, moe_layer_reference_fp8, quantize_dequantize_activation
 
 __all__ = ["BLOCK_SIZE", "FP8_DTYPE", "FP8_MAX", "GROUP_SIZE", "FP8Weight", "QuantizedExperts",
            "dequantize_activation", "quantize_activation", "quantize_experts", "quantize_weight",
-           "load_fp8_experts", "save_fp8_experts", "lora_fed_quantized_reference", "moe_layer_reference_fp8",
+           "load_fp8_experts", "save_fp8_experts", "fp8_codes", "lora_fed_quantized_reference", "moe_layer_reference_fp8",
            "quantize_dequantize_activation", "base_gemm", "fp8_block_k", "fp8_gemm_tiles", "moe_gemm_fp8",
            "quantize_rows"]

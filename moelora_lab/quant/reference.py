@@ -7,8 +7,9 @@ every element times its block's scale), and each GEMM's input (x before W13, h b
 and group of G columns and dequantized again. The LoRA is a bf16/fp32 side path: it reads the unquantized x and
 h, as it was trained to. :func:`moe_layer_reference_fp8` is that layer, the one every FP8 kernel is checked
 against. :func:`lora_fed_quantized_reference` is the mistake of feeding the LoRA the same quantized activation
-as the base (one quantization of x shared by both GEMMs): the adapter then sees an error of a few percent of
-its input that it never saw in training.
+as the base (one quantization of x shared by both GEMMs): dequantized, the adapter sees an error of a few percent
+of its input that it never saw in training; as the raw FP8 codes (``scaled=False``, their scales dropped), it
+sees its input multiplied by FP8_MAX over each group's largest magnitude.
 """
 from __future__ import annotations
 
@@ -24,6 +25,12 @@ def quantize_dequantize_activation(t: torch.Tensor, group_size: int = GROUP_SIZE
     (from float32; float64 is rounded to float32 first) and dequantized back to t's dtype."""
     xq, scale = quantize_activation(t if t.dtype != torch.float64 else t.float(), group_size)
     return dequantize_activation(xq, scale, group_size, dtype=t.dtype)
+
+
+def fp8_codes(t: torch.Tensor, group_size: int = GROUP_SIZE) -> torch.Tensor:
+    """The FP8 codes of ``t`` [rows, K] quantized per row and group, in t's dtype, without their scales: what a
+    kernel reads when it takes the quantized activation for the activation (each group is t / scale)."""
+    return quantize_activation(t if t.dtype != torch.float64 else t.float(), group_size)[0].to(t.dtype)
 
 
 def _base(experts, group_size, quantize_inputs):
@@ -54,10 +61,13 @@ def moe_layer_reference_fp8(x, topk_ids, topk_weights, token_lora, experts: Quan
 
 def lora_fed_quantized_reference(x, topk_ids, topk_weights, token_lora, experts: QuantizedExperts, w13_lora_a,
                                  w13_lora_b, w2_lora_a, w2_lora_b, *, group_size: int = GROUP_SIZE,
-                                 quantize_inputs: bool = True) -> torch.Tensor:
+                                 quantize_inputs: bool = True, scaled: bool = True) -> torch.Tensor:
     """The mistake, for comparison: :func:`moe_layer_reference_fp8` but with the LoRA ops fed the same
-    quantized-dequantized x and h as the base GEMMs. Its base is the spec's (same output without LoRA); only the
-    LoRA term differs. ``quantize_inputs=False`` makes it the spec (nothing is quantized to feed the LoRA)."""
+    quantized x and h as the base GEMMs: dequantized (``scaled=True``), or the raw FP8 codes without their scales
+    (``scaled=False``, :func:`fp8_codes`). Its base is the spec's (same output without LoRA); only the LoRA term
+    differs. ``quantize_inputs=False`` makes it the spec (nothing is quantized to feed the LoRA)."""
     w13, w2, base_input = _base(experts, group_size, quantize_inputs)
+    check_bool("scaled", scaled)
+    lora_input = base_input if scaled or base_input is None else (lambda t: fp8_codes(t, group_size))
     return moe_layer_reference(x, topk_ids, topk_weights, token_lora, w13, w2, w13_lora_a, w13_lora_b, w2_lora_a,
-                               w2_lora_b, base_input=base_input, lora_input=base_input)
+                               w2_lora_b, base_input=base_input, lora_input=lora_input)
