@@ -310,14 +310,14 @@ def _replicated(call, p, weights, rank, world):
 
 
 def _counts_of_fewer_pairs(call, p, weights, rank, world):
-    from moelora_lab.dist.ep import Counts
+    from moelora_lab.dist.ep_checks import Counts
     send = [0] * world
     send[0] = call["topk_ids"].numel() - 1
     call["counts"] = Counts([send], [[0] * world])
 
 
 def _counts_everywhere(call, p, weights, rank, world):
-    from moelora_lab.dist.ep import Counts
+    from moelora_lab.dist.ep_checks import Counts
     owner = call["partition"].owner(call["topk_ids"])
     call["counts"] = Counts([torch.bincount(owner.reshape(-1), minlength=world).tolist()], [[0] * world])
 
