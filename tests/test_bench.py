@@ -31,6 +31,7 @@ def cpu_bench(monkeypatch):
     monkeypatch.setattr(timing, "time_cuda_interleaved", fake_interleaved)
     monkeypatch.setattr(timing, "copy_bandwidth", lambda *a, **k: 4.0e12)
     monkeypatch.setattr(timing, "matmul_rate", lambda *a, **k: 7.0e14)
+    monkeypatch.setattr(timing, "fp8_matmul_rate", lambda *a, **k: 1.4e15)
     return calls
 
 
@@ -277,10 +278,31 @@ def test_layer_fp8_pipeline(cpu_bench, tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "layer.csv").exists()
     assert [r["variant"] for r in rows] == [v for v in layer_sweep.DEFAULT_VARIANTS if v not in refused]
     assert {r["base"] for r in rows} == {"fp8"} and all(r["us_median"] == 10.0 for r in rows)
+    assert {r["matmul_tflops"] for r in rows} == {1400.0}          # the FP8 rate is an FP8 row's ceiling
     with pytest.warns(RuntimeWarning, match="on the CPU the layer runs 'sequential'"):
         assert cli.main(case + ["--variants", "no_lora", "sequential", "dual_stream"]) == 0
     bf = {r["variant"]: r for r in read_csv(tmp_path / "layer.csv")}
-    assert {r["base"] for r in bf.values()} == {"float32"}
+    assert {r["base"] for r in bf.values()} == {"float32"} and {r["matmul_tflops"] for r in bf.values()} == {700.0}
     for r in rows:
         if r["variant"] in bf:                            # 1 byte a weight (+ scales) against 4
             assert 0 < r["floor_bytes"] < bf[r["variant"]]["floor_bytes"]
+
+
+def test_layer_fp8_ceiling_falls_back_to_bf16_by_name(monkeypatch, capsys):
+    from moelora_lab.bench import layer_sweep
+    monkeypatch.setattr(timing, "matmul_rate", lambda dtype=None, **k: {torch.bfloat16: 7.0e14}.get(dtype, 3.0e14))
+
+    def no_fp8(*a, **k):
+        raise RuntimeError("no FP8 matmul on this GPU\nmore detail")
+    monkeypatch.setattr(timing, "fp8_matmul_rate", no_fp8)
+    assert layer_sweep.matmul_ceiling(torch.float16, fp8=True) == 7.0e14
+    assert "no FP8 matmul rate (no FP8 matmul on this GPU); the roofline uses the bf16 rate" in capsys.readouterr().err
+    assert layer_sweep.matmul_ceiling(torch.float16, fp8=False) == 3.0e14
+
+
+def test_fp8_matmul_rate_runs_on_a_gpu_and_says_so_on_the_cpu():
+    if torch.cuda.is_available():                      # the GPU suite: torch._scaled_mm as the rate calls it
+        assert timing.fp8_matmul_rate(n=512) > 0
+    else:
+        with pytest.raises(RuntimeError, match="^fp8_matmul_rate needs a CUDA GPU"):
+            timing.fp8_matmul_rate(n=16)

@@ -28,7 +28,7 @@ instead of the highest (the comparison behind ``layer.aux_stream``). ``--base fp
 once per shape (``quant.quantize_experts``, (128, 128) blocks) and times only the variants whose schedule serves
 a quantized base (``fp8_refusal``), written to ``layer_fp8`` by default; every row records its ``base`` (x's
 dtype or fp8), and an FP8 row's byte floor counts FP8 weights (``layer_traffic(base="fp8")``), its roofline
-still the bf16 matmul rate.
+the FP8 matmul rate measured in the same run (``matmul_tflops``: ``timing.fp8_matmul_rate``).
 
 Shape legend: M tokens, E experts, k top-k, L adapters, r rank, H hidden, I expert intermediate.
 """
@@ -143,6 +143,19 @@ def _fits(variant: str, num_loras: int, rank: int) -> bool:
     return row is None or row.too_wide(num_loras, rank) is None
 
 
+def matmul_ceiling(dtype: torch.dtype, fp8: bool) -> float:
+    """The compute ceiling of the rows' roofline: the FP8 matmul rate on an FP8 base (the bf16 rate, said so,
+    where the FP8 matmul cannot run), else the rate in ``dtype``."""
+    if fp8:
+        try:
+            return timing.fp8_matmul_rate()
+        except RuntimeError as e:
+            print(f"--base fp8: no FP8 matmul rate ({str(e).splitlines()[0][:120]}); the roofline uses the bf16 "
+                  "rate", file=sys.stderr)
+            return timing.matmul_rate(torch.bfloat16)
+    return timing.matmul_rate(dtype)
+
+
 def run_layer(args) -> tuple[list[dict], dict]:
     """The timed rows, and the timelines by case name ({meta, records, metrics})."""
     dtype = getattr(torch, args.dtype)
@@ -154,7 +167,7 @@ def run_layer(args) -> tuple[list[dict], dict]:
             print(f"--base fp8: skipping {name}: {fp8_refusal(name)}", file=sys.stderr)
         variants = [v for v in variants if not fp8_refusal(v)]
     prov = timing.provenance(args.command)
-    copy_bps, flops_per_s = timing.copy_bandwidth(), timing.matmul_rate(dtype)
+    copy_bps, flops_per_s = timing.copy_bandwidth(), matmul_ceiling(dtype, fp8)
     gen = seeded_generator(args.seed)
     rows, traces = [], {}
     cases = [(p, r, m) for p in args.presets for r in args.ranks for m in args.tokens]

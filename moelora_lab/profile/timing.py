@@ -126,6 +126,17 @@ def matmul_rate(dtype: torch.dtype = torch.bfloat16, n: int = 8192) -> float:
     return 2 * n ** 3 / (t.median_us * 1e-6)
 
 
+def fp8_matmul_rate(n: int = 8192) -> float:
+    """FLOP/s of one n x n x n FP8 e4m3 matmul (``torch._scaled_mm``, one scale per tensor, bf16 out): the
+    compute ceiling of a layer on an FP8 base. A RuntimeError where this GPU or torch has no FP8 matmul."""
+    _need_gpu("fp8_matmul_rate")
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()      # column-major, as _scaled_mm reads it
+    one = torch.ones((), device="cuda")
+    t = time_cuda(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), graph=False)
+    return 2 * n ** 3 / (t.median_us * 1e-6)
+
+
 def provenance(command: str) -> dict:
     """What produced a measurement: GPU, software versions, date, command, and the code's stamp
     (schema, tile-rule fingerprint, commit: see :mod:`moelora_lab.results`)."""
