@@ -129,3 +129,10 @@ def gpu():
 def device(request) -> str:
     """``"cuda"`` when pytest runs with ``--gpu``, else ``"cpu"``."""
     return "cuda" if request.config.getoption("--gpu") else "cpu"
+
+
+@pytest.fixture
+def fresh_tries(monkeypatch):
+    """Each test starts as a new kernel session: no wrong tries of an exercise counted yet."""
+    from moelora_lab.exercises import core
+    monkeypatch.setattr(core, "_MISSES", {})

@@ -17,10 +17,7 @@ interpreter_only = pytest.mark.skipif(torch.cuda.is_available(),
                                       reason="CPU tensors through the interpreter; the GPU suite checks the kernels")
 
 
-@pytest.fixture(autouse=True)
-def fresh_tries(monkeypatch):
-    """Each test starts as a new kernel session: no wrong tries counted yet."""
-    monkeypatch.setattr(core, "_MISSES", {})
+pytestmark = pytest.mark.usefixtures("fresh_tries")     # each test a new kernel session
 
 
 def _hidden_truth() -> float:

@@ -42,8 +42,8 @@ def _grade_block(fn) -> Result:
                 return Result(False, f"10.block_scale: {what}: scale is inverted", nudges=(
                     "the scale multiplies the data back (w ≈ data · scale): it is the block's largest magnitude "
                     "over 448, not 448 over it",))
-            if want.scale.numel() > 1 and torch.allclose(scale.float(), torch.full_like(scale.float(),
-                                                                                        float(want.scale.max())), rtol=1e-5):
+            one = torch.full_like(scale.float(), float(want.scale.max()))       # the whole weight's scale
+            if want.scale.numel() > 1 and torch.allclose(scale.float(), one, rtol=1e-5):
                 return Result(False, f"10.block_scale: {what}: every block got the whole weight's scale", nudges=(
                     "each (BN, BK) block takes its own largest magnitude: amax over that block alone",))
         wrong = compare("10.block_scale", scale, want.scale[0], what=f"{what}: scale [SN, SK]",
