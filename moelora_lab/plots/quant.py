@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 from ..config import MoEShape
+from ..layer.table import AUTO_CPU
 from ..profile.traffic import layer_traffic
 from ..validate import check_int
 from .traffic import sweep_workload
@@ -54,9 +55,10 @@ def draw_lora_share(ax, rows, *, title: str | None = None):
     return ax
 
 
-def measured_ratios(bf16_rows, fp8_rows, *, variant: str = "sequential") -> list[dict]:
+def measured_ratios(bf16_rows, fp8_rows, *, variant: str = AUTO_CPU) -> list[dict]:
     """Per (rank, M) measured in one run on both bases: ``speedup`` = bf16 no_lora time / FP8 no_lora time,
-    ``lora_cost`` = FP8 ``variant`` time / FP8 no_lora time, and ``lora_cost_bf16`` the same on the bf16 base."""
+    ``lora_cost`` = FP8 ``variant`` time / FP8 no_lora time, and ``lora_cost_bf16`` the same on the bf16 base
+    (``variant`` by default the one-stream schedule, ``AUTO_CPU``)."""
     def times(rows):
         return {(r["rank"], r["M"], r["variant"]): r["us_median"] for r in rows if not r.get("error")}
     b, f = times(bf16_rows), times(fp8_rows)
