@@ -3,7 +3,7 @@
 # repository root:
 #   bash scripts/gpu_data.sh                 # every step, written to moelora_lab/data/h200
 #   OUT=/tmp/run bash scripts/gpu_data.sh kernels layer   # some steps, elsewhere
-# Steps: registers align kernels layout expand eager layer priority side_path fp8 profiler in_k gemm tma tune dram tests
+# Steps: registers align kernels layout expand eager layer priority side_path fp8 profiler in_k gemm tma tune dram grad tests
 # (default: all; dram needs Nsight Compute's ncu and a GPU whose counters it may read).
 # Each row records its provenance and the code's stamp (schema, tile-rule fingerprint, commit; see
 # moelora_lab/results.py); the notebooks refuse files whose stamp does not match the code.
@@ -24,7 +24,7 @@ bench() { echo "== $(date +%T) bench $*"; $PY -m moelora_lab.bench "$@" --out "$
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 echo "code $MOELORA_CODE_VERSION"
-ALL_STEPS=(registers align kernels layout expand eager layer priority side_path fp8 profiler in_k gemm tma tune dram tests)
+ALL_STEPS=(registers align kernels layout expand eager layer priority side_path fp8 profiler in_k gemm tma tune dram grad tests)
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=("${ALL_STEPS[@]}")
 for step in "${steps[@]}"; do
   case "$step" in
@@ -50,6 +50,7 @@ for step in "${steps[@]}"; do
     tma)       bench gemm --rule-only --w-tma --lora-rank 0 --presets qwen3-30b-a3b deepseek-v2-lite --name gemm_tma ;;
     tune)      bench tune --max-seconds 200 ;;
     dram)      bench dram ;;
+    grad)      bench grad ;;
     tests)
       echo "== $(date +%T) tests"
       { echo "# $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1); code $MOELORA_CODE_VERSION; $(date -I)"

@@ -221,7 +221,7 @@ def test_recorded_command_leaves_out_the_output_folder(cpu_bench, tmp_path):
 def test_every_subcommand_parses_its_defaults():
     from moelora_lab.bench import layer_sweep
     assert list(cli.SUBCOMMANDS) == ["kernels", "registers", "layer", "align", "gemm", "eager", "tune", "layout",
-                                    "expand", "profiler", "in_k", "dram", "train"]
+                                    "expand", "profiler", "in_k", "dram", "train", "grad"]
     for what, module in cli.SUBCOMMANDS.items():
         args = cli.parse_args([what])
         assert args.what == module.NAME == what and args.command == f"python -m moelora_lab.bench {what}"

@@ -14,13 +14,13 @@ import sys
 import torch
 
 from ..results import write_csv
-from . import (align_sweep, common, dram_sweep, eager_sweep, expand_sweep, gemm_sweep, in_k_sweep, kernels_sweep,
-               layer_sweep, layout_sweep, profiler_sweep, registers_sweep, train_sweep, tune_sweep)
+from . import (align_sweep, common, dram_sweep, eager_sweep, expand_sweep, gemm_sweep, grad_sweep, in_k_sweep,
+               kernels_sweep, layer_sweep, layout_sweep, profiler_sweep, registers_sweep, train_sweep, tune_sweep)
 
 # in the order --help lists them
 SUBCOMMANDS = {m.NAME: m for m in (kernels_sweep, registers_sweep, layer_sweep, align_sweep, gemm_sweep,
                                    eager_sweep, tune_sweep, layout_sweep, expand_sweep, profiler_sweep, in_k_sweep,
-                                   dram_sweep, train_sweep)}
+                                   dram_sweep, train_sweep, grad_sweep)}
 
 
 def build_parser() -> argparse.ArgumentParser:

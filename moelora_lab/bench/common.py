@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shlex
 import textwrap
+import time
 from pathlib import Path
 
 import torch
@@ -104,3 +105,28 @@ def command_line(argv) -> str:
         elif not a.startswith("--out="):
             kept.append(a)
     return f"{PROG} " + " ".join(shlex.quote(a) for a in kept)
+
+
+def eager_sampler(calls: dict, *, rounds: int, warmup_ms: float, rep_ms: float, cpu_steps: int = 1):
+    """sample(name, round) -> times in ms of ``calls[name]()`` run eagerly (no CUDA graph), for
+    ``timing.interleave``: CUDA events with L2 flushed (``triton.testing.do_bench``, ``rep_ms`` of calls over all
+    rounds, ``warmup_ms`` before the first) where the benchmark's tensors are on a GPU, else the wall clock of
+    ``cpu_steps`` calls per round (the pipelines' tests on the CPU; never a GPU's time)."""
+    if torch.device(device()).type == "cuda":
+        import triton.testing
+
+        def sample(name, rnd):
+            times = triton.testing.do_bench(calls[name], warmup=warmup_ms if rnd == 0 else warmup_ms / 5,
+                                            rep=rep_ms / rounds, return_mode="all")
+            if not isinstance(times, list):
+                raise RuntimeError("triton.testing.do_bench(return_mode='all') did not return the call times")
+            return times
+    else:
+        def sample(name, rnd):
+            out = []
+            for _ in range(cpu_steps):
+                t0 = time.perf_counter()
+                calls[name]()
+                out.append((time.perf_counter() - t0) * 1e3)
+            return out
+    return sample

@@ -46,7 +46,7 @@ from ..profile import timing
 from ..profile.gpu_state import GpuMonitor
 from ..profile.traffic import count_workload
 from ..train.peft_grads import relative_error
-from .common import device, progress, seeded_generator, sweep_parser
+from .common import device, eager_sampler, progress, seeded_generator, sweep_parser
 from .train_models import (BASE_OF, VARIANTS, WITH_LORA, build_adapters, build_base, build_case, build_variant,
                            reference_grads, train_floor)
 
@@ -68,28 +68,6 @@ def add_parser(sub):
 
 def _on_gpu() -> bool:
     return torch.device(device()).type == "cuda"
-
-
-def _sampler(steps: dict):
-    """sample(name, round) -> step times in ms: CUDA events with L2 flushed on a GPU, wall clock on the CPU."""
-    if _on_gpu():
-        import triton.testing
-
-        def sample(name, rnd):
-            times = triton.testing.do_bench(steps[name], warmup=WARMUP_MS if rnd == 0 else WARMUP_MS / 5,
-                                            rep=REP_MS / ROUNDS, return_mode="all")
-            if not isinstance(times, list):
-                raise RuntimeError("triton.testing.do_bench(return_mode='all') did not return the step times")
-            return times
-    else:
-        def sample(name, rnd):
-            out = []
-            for _ in range(CPU_STEPS):
-                t0 = time.perf_counter()
-                steps[name]()
-                out.append((time.perf_counter() - t0) * 1e3)
-            return out
-    return sample
 
 
 def _probe(step):
@@ -157,7 +135,9 @@ def run_case(case, names, dtype, rates) -> list[dict]:
         rows[name] = row
     ref.clear()
     with GpuMonitor() as state:
-        timed = timing.interleave(list(made), ROUNDS, _sampler({n: v.step for n, v in made.items()}))
+        sample = eager_sampler({n: v.step for n, v in made.items()}, rounds=ROUNDS, warmup_ms=WARMUP_MS,
+                               rep_ms=REP_MS, cpu_steps=CPU_STEPS)
+        timed = timing.interleave(list(made), ROUNDS, sample)
     made.clear()
     medians = {n: t.median_us for n, t in timed.items() if isinstance(t, timing.Timing)}
     work = count_workload(case.topk_ids, case.token_lora, shape.num_experts, L)

@@ -32,6 +32,16 @@ def choose_grad_path(num_pairs: int, num_groups: int, block_m: int, x: torch.Ten
     return "one_shot" if num_pairs <= 2 * block_m * max(num_groups, 1) else "two_kernel"
 
 
+def backward_plan(path: str, x: torch.Tensor, num_pairs: int, num_groups: int, out_features: int, num_slices: int,
+                  rank: int, *, blocks: BlockList | None = None, config: KernelConfig | None = None) -> tuple[str, int]:
+    """(the path ``path`` runs, its block size): 'auto' resolved by :func:`choose_grad_path`; the block size is the
+    blocks' or the config's, else the two-kernel rule's for these pairs (P = M*k), groups (L*E), N, S and r."""
+    groups = min(num_pairs, num_groups)
+    block_m = blocks.block_size if blocks is not None else (config or choose_config(
+        "two_kernel", num_pairs, groups, out_features, num_slices, x.device, rank=rank)).block_m
+    return (choose_grad_path(num_pairs, groups, block_m, x) if path == "auto" else path), block_m
+
+
 def moe_lora_backward(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, grad_out, *,
                       mul_routed_weight: bool = False, lora_ranks=None, enabled=None, path: str = "auto",
                       blocks: BlockList | None = None, config: KernelConfig | None = None, needs=None,
@@ -108,10 +118,7 @@ def moe_lora_backward(x, topk_ids, topk_weights, token_lora, lora_a, lora_b, gra
     if blocks is not None:
         check_blocks(blocks, topk_ids, token_lora, E, L)
         checked = blocks.routing.values_checked
-    block_m = blocks.block_size if blocks is not None else (config or choose_config(
-        "two_kernel", M * k, min(M * k, L * E), N, S, x.device, rank=R)).block_m
-    if path == "auto":
-        path = choose_grad_path(M * k, min(M * k, L * E), block_m, x)
+    path, block_m = backward_plan(path, x, M * k, L * E, N, S, R, blocks=blocks, config=config)
     grad_path = GRAD_PATHS[path]
     if grad_path.triton:
         ok = FLOAT_DTYPES + ((torch.float64,) if INTERPRET else ())    # the slices share one dtype (checked)
