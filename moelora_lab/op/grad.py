@@ -25,9 +25,9 @@ from .grad_paths import GRAD_NAMES, GRAD_PATH_CHOICES, GRAD_PATHS, GradCall
 
 def choose_grad_path(num_pairs: int, num_groups: int, block_m: int, x: torch.Tensor) -> str:
     """The ``auto`` rule (a first guess, not yet measured; ``python -m moelora_lab.bench grad`` times it beside both
-    designs): the one-shot kernel while the touched groups
-    average at most two blocks (its one program per group then has little to walk), else two kernels;
-    float64 (the gradient checks), or x where no Triton kernel runs, takes the spec."""
+    designs): the one-shot kernel while the touched groups average at most two blocks (its one program per group
+    then has little to walk), else two kernels; float64 (the gradient checks), or x where no Triton kernel runs,
+    takes the spec."""
     if x.dtype == torch.float64 or not (INTERPRET or x.device.type == "cuda"):
         return "reference"
     return "one_shot" if num_pairs <= 2 * block_m * max(num_groups, 1) else "two_kernel"
