@@ -11,7 +11,8 @@ from moelora_lab.config import MoEShape
 from moelora_lab.op import grad_paths
 from moelora_lab.profile import timing
 from moelora_lab.profile.grad_traffic import GradWorkload, grad_op_traffic
-from moelora_lab.results import read_csv
+from moelora_lab.plots.training import grad_time_lines
+from moelora_lab.results import label, read_csv
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="runs the kernels on CPU tensors (interpreter)")
 CASE = ["grad", "--presets", "tiny", "--tokens", "3", "40", "--ranks", "4", "--dtype", "float32"]
@@ -49,6 +50,9 @@ def test_pipeline_rows_on_the_cpu(cpu_grad, tmp_path):
                            num_slices=1, rank=4, x_rows="pair", dtype_bytes=4, mul_routed_weight=True)
     assert (row["bytes"], row["floor_bytes"]) == (want.total.bytes, want.floor.bytes)
     assert row["floor_us"] == round(want.floor.bytes / 4.0e12 * 1e6, 2)
+    # what notebook 09 prints of such data: its label and one line per (op, r, M)
+    lines = grad_time_lines(rows)
+    assert label(rows) and len(lines) == 3 and all(line.split()[-1] in ("two_kernel", "one_shot") for line in lines[1:])
 
 
 @cpu_only

@@ -11,6 +11,7 @@ from moelora_lab.bench import cli, common, train_models, train_sweep
 from moelora_lab.bench.train_models import VARIANTS, train_floor
 from moelora_lab.config import benchmark_routing
 from moelora_lab.profile.traffic import Workload, count_workload, layer_traffic
+from moelora_lab.plots.training import train_time_lines
 from moelora_lab.results import read_csv
 from moelora_lab.train.peft_grads import relative_error
 
@@ -147,6 +148,10 @@ def test_pipeline_rows_on_the_cpu(cpu_train, tmp_path):
     base_fl = train_floor(shape, 4, work, dtype_bytes=4, with_lora=False)
     assert by["lab_lora"]["lora_share_bytes"] == round(1 - base_fl.bytes / by["lab_lora"]["floor_bytes"], 4)
     assert by["hf_peft"]["lora_share_flops"] == round(1 - base_fl.flops / by["hf_peft"]["floor_flops"], 4)
+    # what notebook 09 prints of such data: the lab's step against HF + PEFT's, no memory invented on the CPU
+    line = train_time_lines(rows)[1].split()
+    assert line[:2] == ["4", "16"] and line[4] == f"{by['lab_lora']['us_median'] / by['hf_peft']['us_median']:.2f}"
+    assert line[5:] == ["-", "-"]
     lab, lab_base = by["lab_lora"]["us_median"], by["lab_base"]["us_median"]
     assert math.isclose(by["lab_lora"]["lora_share_time"], (lab - lab_base) / lab, abs_tol=1e-4)
     assert by["lab_lora"]["impl"] == "moe_lora_layer schedule=sequential" and by["grouped_mm_base"]["impl"] == \

@@ -97,3 +97,26 @@ def test_draw_loss_curves():
         draw_loss_curves(axes(), torch.ones(4), {"x": torch.ones(1, 4)})
     with pytest.raises(TypeError, match="together"):
         draw_loss_curves(axes(), alone, {})
+
+
+def test_grad_time_lines():
+    from moelora_lab.plots.training import grad_time_lines
+    rows = [dict(op="w13", rank=16, M=128, path=p, ran=r, us_median=t)
+            for p, r, t in (("two_kernel", "two_kernel", 50.0), ("one_shot", "one_shot", 40.25),
+                            ("auto", "one_shot", 41.0))]
+    rows.append(dict(op="w2", rank=16, M=128, path="two_kernel", ran="two_kernel", us_median=30.0))
+    lines = grad_time_lines(rows)
+    assert "one_shot_atomic" not in lines[0] and lines[0].split()[3:6] == ["two_kernel", "µs", "one_shot"]
+    assert lines[1].split() == ["w13", "16", "128", "50.0", "40.2", "41.0", "one_shot"]
+    assert lines[2].split() == ["w2", "16", "128", "30.0", "-"]
+
+
+def test_train_time_lines():
+    from moelora_lab.plots.training import train_time_lines
+    rows = [dict(rank=16, M=512, variant="lab_lora", us_median=1500.0, peak_mib=100.4, error=""),
+            dict(rank=16, M=512, variant="hf_peft", us_median=6000.0, peak_mib=900.0, error=""),
+            dict(rank=64, M=512, variant="lab_lora", us_median=2000.0, peak_mib="", error=""),
+            dict(rank=64, M=512, variant="hf_peft", us_median=1.0, peak_mib=1.0, error="RuntimeError: boom")]
+    lines = train_time_lines(rows)
+    assert lines[1].split() == ["16", "512", "1.50", "6.00", "0.25", "100", "900"]
+    assert lines[2].split() == ["64", "512", "2.00", "-", "-", "-", "-"]           # a failed row is no data

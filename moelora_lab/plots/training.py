@@ -169,3 +169,37 @@ def draw_loss_curves(ax, alone, together: Mapping, *, log: bool = True) -> None:
     ax.set_ylabel("the adapter's mean loss on its tokens")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1))
+
+
+def grad_time_lines(rows) -> list[str]:
+    """``bench grad``'s rows as text: one line per (op, r, M), each path's median µs and the path ``auto`` ran."""
+    by: dict = {}
+    for r in rows:
+        by.setdefault((r["op"], r["rank"], r["M"]), {})[r["path"]] = r
+    paths = [p for p in (*GRAD_TRAFFIC_PATHS, "auto") if any(p in v for v in by.values())]
+    lines = [f"{'op':4s} {'r':>3s} {'M':>6s}" + "".join(f"{p + ' µs':>20s}" for p in paths) + "   auto ran"]
+    for (op, rank, m), v in sorted(by.items()):
+        times = "".join(f"{v[p]['us_median']:20.1f}" if p in v else " " * 20 for p in paths)
+        lines.append(f"{op:4s} {rank:3d} {m:6d}{times}   {v['auto']['ran'] if 'auto' in v else '-'}")
+    return lines
+
+
+def train_time_lines(rows) -> list[str]:
+    """``bench train``'s rows as text: one line per (r, M), the lab's step with LoRA against HF + PEFT's (median
+    ms, their ratio) and each one's peak memory (MiB); '-' where a variant is missing or failed."""
+    by: dict = {}
+    for r in rows:
+        if not r.get("error"):
+            by.setdefault((r["rank"], r["M"]), {})[r["variant"]] = r
+    lines = [f"{'r':>3s} {'M':>6s} {'lab ms':>9s} {'HF+PEFT ms':>11s} {'lab / HF':>9s} {'lab MiB':>9s} {'HF MiB':>9s}"]
+    for (rank, m), v in sorted(by.items()):
+        lab, hf = v.get("lab_lora"), v.get("hf_peft")
+
+        def ms(row):
+            return f"{row['us_median'] / 1e3:.2f}" if row else "-"
+
+        def mib(row):
+            return f"{row['peak_mib']:.0f}" if row and row.get("peak_mib") not in ("", None) else "-"
+        ratio = f"{lab['us_median'] / hf['us_median']:.2f}" if lab and hf else "-"
+        lines.append(f"{rank:3d} {m:6d} {ms(lab):>9s} {ms(hf):>11s} {ratio:>9s} {mib(lab):>9s} {mib(hf):>9s}")
+    return lines
