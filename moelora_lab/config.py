@@ -171,11 +171,19 @@ def make_routing(shape: MoEShape, num_loras: int, num_tokens: int, *, seed: int 
                 token_lora=seq_lora[seq_of_token].to(torch.int32))
 
 
-def benchmark_routing(shape, num_loras: int, num_tokens: int, seed: int = 0) -> dict:
+BENCH_ADAPTERS = ("uniform", "distinct")   # how the benchmarks give their sequences adapters (draw_adapters)
+
+
+def benchmark_routing(shape, num_loras: int, num_tokens: int, seed: int = 0, adapters: str = "uniform") -> dict:
     """The routing every benchmark of ``python -m moelora_lab.bench`` draws for M tokens (and the
     byte model uses to match its data): ``make_routing`` with seed ``seed + M`` and the tokens in
-    min(M, 8) sequences, each sequence with one adapter."""
-    return make_routing(shape, num_loras, num_tokens, seed=seed + num_tokens, num_sequences=min(num_tokens, 8))
+    min(M, 8) sequences, each sequence with one adapter: a random one ('uniform', the committed data's:
+    with 4 adapters and 8 sequences one adapter is often left unused) or sequence i -> adapter i mod L
+    ('distinct': every adapter in use once there are L sequences, as vLLM's benchmark assigns them)."""
+    if adapters not in BENCH_ADAPTERS:
+        raise ValueError(f"adapters: {adapters!r} is not one of {', '.join(BENCH_ADAPTERS)}")
+    return make_routing(shape, num_loras, num_tokens, seed=seed + num_tokens, num_sequences=min(num_tokens, 8),
+                        adapter_popularity=adapters)
 
 
 def _lora_pair(gen, num_loras, num_experts, rank, k_in, n_out, ranks, dtype, device):

@@ -218,6 +218,24 @@ def test_recorded_command_leaves_out_the_output_folder(cpu_bench, tmp_path):
     assert (row["schema"], row["config"]) == (DATA_SCHEMA, config_fingerprint()) and row["code"]
 
 
+def test_adapter_assignment_reaches_the_routing_and_every_row(cpu_bench, tmp_path, monkeypatch):
+    seen = []
+    real = common.benchmark_routing
+
+    def spy(*a, **kw):
+        seen.append(a[4] if len(a) > 4 else kw.get("adapters", "uniform"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(common, "benchmark_routing", spy)
+    for how in ("distinct", "uniform"):
+        args = ["align", "--presets", "tiny", "--tokens", "8", "--out", str(tmp_path / how)]
+        assert cli.main(args + (["--adapters", how] if how == "distinct" else [])) == 0   # uniform: the default
+        assert set(seen) == {how} and {r["adapters"] for r in read_csv(tmp_path / how / "align.csv")} == {how}
+        seen.clear()
+    with pytest.raises(SystemExit):
+        cli.parse_args(["layer", "--adapters", "round_robin"])
+
+
 def test_every_subcommand_parses_its_defaults():
     from moelora_lab.bench import layer_sweep
     assert list(cli.SUBCOMMANDS) == ["kernels", "registers", "layer", "align", "gemm", "eager", "tune", "layout",

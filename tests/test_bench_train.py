@@ -127,7 +127,7 @@ def test_pipeline_rows_on_the_cpu(cpu_train, tmp_path):
     rows = read_csv(tmp_path / "train.csv")
     assert [r["variant"] for r in rows] == list(VARIANTS)
     assert list(rows[0]) == [
-        "preset", "M", "rank", "loras", "variant", "impl", "grads", "us_median", "us_p20", "us_p80", "peak_mib",
+        "preset", "M", "rank", "loras", "adapters", "variant", "impl", "grads", "us_median", "us_p20", "us_p80", "peak_mib",
         "floor_bytes", "floor_flops", "floor_us", "roofline_us", "lora_share_time", "lora_share_bytes",
         "lora_share_flops", "grad_rel_err", "error", "sm_mhz_min", "sm_mhz_mean", "power_w_mean", "power_w_max",
         "temp_c_max", "device", "dtype", "copy_tbps", "matmul_tflops", "gpu", "torch", "triton", "python", "date",

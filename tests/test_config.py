@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from moelora_lab import PRESETS, LoRAShape, MoEShape, make_problem
-from moelora_lab.config import draw_adapters
+from moelora_lab.config import benchmark_routing, draw_adapters, make_routing
 
 
 def test_presets_have_the_published_shapes():
@@ -165,3 +165,17 @@ def test_random_lora_weights_validation(kwargs, exc, match):
                 dtype=torch.float32) | kwargs
     with pytest.raises(exc, match=match):
         random_lora_weights(**args)
+
+
+def test_benchmark_routing_gives_adapters_at_random_or_in_turn():
+    shape = MoEShape.from_name("tiny")
+    used = {how: [set(benchmark_routing(shape, 4, 64, seed, how)["token_lora"].tolist()) for seed in range(8)]
+            for how in ("uniform", "distinct")}
+    assert all(u == {0, 1, 2, 3} for u in used["distinct"])       # 8 sequences, adapter i mod 4: all in use
+    assert any(len(u) < 4 for u in used["uniform"])                 # at random, one is often left out
+    r = benchmark_routing(shape, 4, 64, 3, "distinct")["token_lora"]
+    assert r.tolist() == [(t * 8 // 64) % 4 for t in range(64)]
+    same = benchmark_routing(shape, 4, 64, 3), make_routing(shape, 4, 64, seed=67, num_sequences=8)
+    assert all(torch.equal(same[0][n], same[1][n]) for n in same[1])  # the default is the committed data's routing
+    with pytest.raises(ValueError, match="adapters: 'round_robin' is not one of uniform, distinct"):
+        benchmark_routing(shape, 4, 8, 0, "round_robin")

@@ -37,7 +37,7 @@ def run(args) -> list[dict]:
     for preset in args.presets:
         shape = MoEShape.from_name(preset)
         for M in args.tokens:
-            ids, _, lora = sweep_routing(shape, args.loras, M, args.seed)
+            ids, _, lora = sweep_routing(shape, args.loras, M, args.seed, args.adapters)
             E, L, bs = shape.num_experts, args.loras, args.block_size
             fns = {"torch_ops": lambda: block_list(ids, lora, E, L, bs),
                    "triton_kernels": lambda: block_list_device(ids, lora, E, L, bs, validate=False)}

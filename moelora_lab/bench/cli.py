@@ -3,8 +3,8 @@
 ``python -m moelora_lab.bench <subcommand> [--out DIR] ...``: the subcommands are the modules in
 ``SUBCOMMANDS``; each one adds its parser (``add_parser(sub)``), measures (``run(args)`` -> rows),
 and may draw plots from its rows (``save_plots(rows, args)`` -> paths). This module writes the CSV
-``<out>/<name>.csv`` and records the command (:func:`moelora_lab.bench.common.command_line`) in
-every row. Only ``__main__`` imports it.
+``<out>/<name>.csv`` and records the command (:func:`moelora_lab.bench.common.command_line`) and the
+adapter assignment (``--adapters``) in every row. Only ``__main__`` imports it.
 """
 from __future__ import annotations
 
@@ -43,6 +43,17 @@ def parse_args(argv) -> argparse.Namespace:
     return args
 
 
+def _with_column(row: dict, name: str, value, *, after: str) -> dict:
+    """``row`` with ``name`` = ``value`` placed right after the column ``after`` (last where there is none)."""
+    out = {}
+    for key, v in row.items():
+        out[key] = v
+        if key == after:
+            out[name] = value
+    out.setdefault(name, value)
+    return out
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -52,6 +63,8 @@ def main(argv=None) -> int:
         return 2
     module = SUBCOMMANDS[args.what]
     rows = module.run(args)
+    if hasattr(args, "adapters"):             # how the sequences got their adapters, beside the adapter count
+        rows = [_with_column(row, "adapters", args.adapters, after="loras") for row in rows]
     csv_path = args.out / f"{args.name}.csv"
     write_csv(rows, csv_path)
     print(f"wrote {csv_path} ({len(rows)} rows)", file=sys.stderr)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import MoEShape, benchmark_routing
+from ..config import BENCH_ADAPTERS, MoEShape, benchmark_routing
 from ..results import DATA_DIR as DEFAULT_OUT
 
 DEVICE = "cuda"   # the benchmarks run on CUDA; tests point this at the CPU to run the pipeline end to end
@@ -37,10 +37,11 @@ def seeded_generator(seed: int) -> torch.Generator:
     return torch.Generator(device=device()).manual_seed(seed)
 
 
-def sweep_routing(shape: MoEShape, num_loras: int, M: int, seed: int):
+def sweep_routing(shape: MoEShape, num_loras: int, M: int, seed: int, adapters: str = "uniform"):
     """(topk_ids [M, k], topk_weights [M, k], token_lora [M]) of the benchmarks' M tokens on the device:
-    min(M, 8) sequences, seed + M (:func:`moelora_lab.config.benchmark_routing`)."""
-    r = benchmark_routing(shape, num_loras, M, seed)
+    min(M, 8) sequences, seed + M, adapters drawn as ``adapters`` says
+    (:func:`moelora_lab.config.benchmark_routing`)."""
+    r = benchmark_routing(shape, num_loras, M, seed, adapters)
     return tuple(r[n].to(device()) for n in ("topk_ids", "topk_weights", "token_lora"))
 
 
@@ -82,6 +83,9 @@ def sweep_parser(sub, what: str, help: str, *, name: str, tokens, presets=("qwen
         p.add_argument("--ranks", nargs="+", type=int, default=list(ranks),
                        help="LoRA ranks r to sweep (default: %(default)s)")
     p.add_argument("--loras", type=int, default=4, help="adapter slots L (default: %(default)s)")
+    p.add_argument("--adapters", choices=BENCH_ADAPTERS, default="uniform",
+                   help="each sequence's adapter: uniform = a random one (some may go unused), distinct = sequence i "
+                        "gets adapter i mod L (all in use); recorded in every row (default: %(default)s)")
     if dtype:
         p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
                        help="dtype of the activations and weights (default: %(default)s)")

@@ -64,10 +64,10 @@ def eager_us(fn, calls: int) -> float:
     return best
 
 
-def _cases(shape, L, rank, M, seed, dtype, gen, weights):
+def _cases(shape, L, rank, M, seed, dtype, gen, weights, adapters="uniform"):
     """The (what, way) -> callable table of one (M, rank)."""
     E, H = shape.num_experts, shape.hidden
-    ids, tw, tl = sweep_routing(shape, L, M, seed)
+    ids, tw, tl = sweep_routing(shape, L, M, seed, adapters)
     x = torch.randn(M, H, device=device(), dtype=dtype, generator=gen)
     op = dict(x=x, topk_ids=ids, topk_weights=tw, token_lora=tl, lora_a=weights["w13_lora_a"],
               lora_b=weights["w13_lora_b"])
@@ -97,7 +97,7 @@ def run(args) -> list[dict]:
         shape = MoEShape.from_name(preset)
         w13, w2 = base_weights(shape, gen, dtype)
         weights = dict(w13=w13, w2=w2, **layer_lora_weights(shape, args.loras, rank, gen, dtype))
-        fns = _cases(shape, args.loras, rank, M, args.seed, dtype, gen, weights)
+        fns = _cases(shape, args.loras, rank, M, args.seed, dtype, gen, weights, args.adapters)
         for (what, way), fn in fns.items():
             graph = timing.time_cuda(fn).median_us
             rows.append(dict(preset=preset, what=what, way=way, M=M, rank=rank, loras=args.loras, dtype=args.dtype,

@@ -61,7 +61,7 @@ def run(args) -> list[dict]:
         for M, layout in [(M, "r_fastest") for M in args.tokens] + [(M, "n_fastest") for M in args.packed_tokens]:
             bar.update()
             b = lora_b if layout == "r_fastest" else pack_lora_b(lora_b)
-            ids, tw, tl = sweep_routing(shape, L, M, args.seed)
+            ids, tw, tl = sweep_routing(shape, L, M, args.seed, args.adapters)
             x = torch.randn(M if op == "w13" else M * k, K, device=device(), generator=gen, dtype=dtype)
             out = torch.randn(M, k, S * N, device=device(), generator=gen, dtype=dtype)
             work = count_workload(ids, tl, E, L)

@@ -70,7 +70,7 @@ def run(args) -> list[dict]:
             if time.monotonic() - start > args.max_seconds:
                 print(f"time budget of {args.max_seconds} s spent: skipping M={M} and up", file=sys.stderr)
                 break
-            ids, tw, tl = sweep_routing(shape, L, M, args.seed)
+            ids, tw, tl = sweep_routing(shape, L, M, args.seed, args.adapters)
             P, tl32, wflat = M * k, tl.to(torch.int32), tw.reshape(-1).float().contiguous()
             x = torch.randn(M, H, device=device(), generator=gen, dtype=dtype)
             h = torch.randn(P, I, device=device(), generator=gen, dtype=dtype)

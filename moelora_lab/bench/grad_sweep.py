@@ -56,7 +56,7 @@ def build_case(shape: MoEShape, op: str, rank: int, M: int, lora, args, gen, dty
     mul_routed_weight}) and the spec's gradients, float32 on the same inputs."""
     lora_a, lora_b = lora
     K, N, S = lora_a[0].shape[3], lora_b[0].shape[2], len(lora_a)
-    topk_ids, topk_w, token_lora = sweep_routing(shape, args.loras, M, args.seed)
+    topk_ids, topk_w, token_lora = sweep_routing(shape, args.loras, M, args.seed, args.adapters)
     rows_in = M if op == "w13" else M * shape.top_k
     inputs = dict(x=torch.randn(rows_in, K, device=device(), generator=gen, dtype=dtype), topk_ids=topk_ids,
                   topk_weights=topk_w, token_lora=token_lora, lora_a=lora_a, lora_b=lora_b,

@@ -67,7 +67,7 @@ def run(args) -> list[dict]:
             lora = layer_lora_weights(shape, L, rank, gen, dtype)
             w2_ext = pack_w2_in_k(w2, lora["w2_lora_b"])
             w13_ext = pack_w13_in_k(w13, lora["w13_lora_b"])
-            ids, tw, tl = sweep_routing(shape, L, M, args.seed)
+            ids, tw, tl = sweep_routing(shape, L, M, args.seed, args.adapters)
             x = torch.randn(M, H, device=device(), generator=gen, dtype=dtype)
             plan = plan_layer(ids, tl, E, L, rank, intermediate=I, schedule=KERNEL_ROWS[1])
             plain = plan_layer(ids, tl, E, None, None)

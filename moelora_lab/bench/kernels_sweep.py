@@ -122,7 +122,7 @@ def build_case(shape, op: str, rank: int, M: int, lora_a, lora_b, args, gen, dty
     computes a wrong result stops the sweep before it is measured."""
     L, E, k = args.loras, shape.num_experts, shape.top_k
     k_in, n_out, S = lora_a[0].shape[3], lora_b[0].shape[2], len(lora_a)
-    topk_ids, topk_w, token_lora = sweep_routing(shape, L, M, args.seed)
+    topk_ids, topk_w, token_lora = sweep_routing(shape, L, M, args.seed, args.adapters)
     rows_in = M if op == "w13" else M * k
     x = torch.randn(rows_in, k_in, device=device(), generator=gen, dtype=dtype)
     out = torch.randn(M, k, S * n_out, device=device(), generator=gen, dtype=dtype)

@@ -182,7 +182,7 @@ def run_layer(args) -> tuple[list[dict], dict]:
             w13, w2 = base_weights(shape, gen, dtype)
             quantized = quantize_experts(w13, w2) if fp8 else None     # the checkpoints' (128, 128) blocks
         lora = dict(layer_lora_weights(shape, L, rank, gen, dtype), side_priority=args.side_priority)
-        ids, tw, tl = sweep_routing(shape, L, M, args.seed)
+        ids, tw, tl = sweep_routing(shape, L, M, args.seed, args.adapters)
         x = torch.randn(M, H, device=device(), generator=gen, dtype=dtype)
         plan_l = plan_layer(ids, tl, E, L, rank, intermediate=I, schedule=KERNEL_ROWS[1])
         # a plan per row that does not share plan_l (where L*r fits), and per side-plan variant

@@ -38,7 +38,7 @@ def run(args) -> list[dict]:
                 a, b = random_lora_weights(shape, op, L, rank, gen, dtype)
                 layouts = {"r_fastest": b, "n_fastest": pack_lora_b(b)}
                 for M in args.tokens:
-                    ids, tw, tl = sweep_routing(shape, L, M, args.seed)
+                    ids, tw, tl = sweep_routing(shape, L, M, args.seed, args.adapters)
                     x = torch.randn(M if op == "w13" else M * k, a[0].shape[3], device=device(), generator=gen,
                                     dtype=dtype)
                     N, S, P = b[0].shape[2], len(a), M * k

@@ -70,7 +70,7 @@ def run_profiles(args) -> dict:
             weights = (preset, *base_weights(shape, gen, dtype))
         _, w13, w2 = weights
         lora = layer_lora_weights(shape, L, rank, gen, dtype)
-        ids, tw, tl = sweep_routing(shape, L, M, args.seed)
+        ids, tw, tl = sweep_routing(shape, L, M, args.seed, args.adapters)
         x = torch.randn(M, H, device=device(), generator=gen, dtype=dtype)
         floor = layer_traffic(shape, rank, count_workload(ids, tl, E, L),
                               lora_path=plan_layer(ids, tl, E, L, rank).lora_path)["floor"]

@@ -124,9 +124,11 @@ def _leaves(weights: dict) -> dict:
     return {key: [w.detach().requires_grad_(True) for w in weights[key]] for key in LORA_KEYS}
 
 
-def build_case(base: Base, adapters: Adapters, num_tokens: int, num_loras: int, seed: int, gen, dtype) -> Case:
-    """The routing of ``common.sweep_routing`` and x, dy ~ N(0, 1) drawn on the device."""
-    ids, tw, tl = sweep_routing(base.shape, num_loras, num_tokens, seed)
+def build_case(base: Base, adapters: Adapters, num_tokens: int, num_loras: int, seed: int, gen, dtype,
+               assign: str = "uniform") -> Case:
+    """The routing of ``common.sweep_routing`` (sequences given adapters as ``assign`` says) and x, dy ~ N(0, 1)
+    drawn on the device."""
+    ids, tw, tl = sweep_routing(base.shape, num_loras, num_tokens, seed, assign)
     x = torch.randn(num_tokens, base.shape.hidden, device=device(), generator=gen, dtype=dtype)
     dy = torch.randn(num_tokens, base.shape.hidden, device=device(), generator=gen, dtype=dtype)
     return Case(base, adapters, x, dy, ids, tw, tl)

@@ -190,7 +190,7 @@ def run(args) -> list[dict]:
             adapters = None
             _free()
             adapters = build_adapters(base, args.loras, rank, args.seed, gen, dtype)
-        case = build_case(base, adapters, M, args.loras, args.seed, gen, dtype)
+        case = build_case(base, adapters, M, args.loras, args.seed, gen, dtype, args.adapters)
         rows += [dict(row, **where, **prov) for row in run_case(case, args.variants, dtype, rates)]
         del case
         _free()

@@ -90,7 +90,7 @@ def run(args) -> list[dict]:
             weights[preset, rank] = {o: random_lora_weights(shape, o, L, rank, gen, dtype) for o in args.ops}
         lora_a, lora_b = weights[preset, rank][op]
         k_in, n_out, S = lora_a[0].shape[3], lora_b[0].shape[2], len(lora_a)
-        ids, tw, tl = sweep_routing(shape, L, M, args.seed)
+        ids, tw, tl = sweep_routing(shape, L, M, args.seed, args.adapters)
         x = torch.randn(M if op == "w13" else M * k, k_in, device=device(), generator=gen, dtype=dtype)
         base = torch.randn(M, k, S * n_out, device=device(), generator=gen, dtype=dtype)
         work = count_workload(ids, tl, E, L)
