@@ -78,6 +78,17 @@ def test_layer_side_path_variant(cpu_bench, tmp_path):
     assert rows["dual_stream_side"]["schedule"] == "sequential"                        # CPU: one stream
 
 
+def test_layer_ceiling_at_each_cases_clock(cpu_bench, tmp_path, monkeypatch):
+    """The matmul ceiling is read with the clock it ran at and scaled to each case's clock (here both 1500)."""
+    from moelora_lab.profile import gpu_state
+    monkeypatch.setattr(gpu_state, "default_reader", lambda: lambda: (1500.0, 400.0, 50.0))
+    assert cli.main(["layer", "--presets", "tiny", "--tokens", "3", "--ranks", "8", "--dtype", "float32",
+                     "--variants", "no_lora", "sequential", "--trace-tokens", "0", "--out", str(tmp_path)]) == 0
+    rows = read_csv(tmp_path / "layer.csv")
+    assert {r["matmul_sm_mhz"] for r in rows} == {1500} and {r["matmul_tflops_at_clock"] for r in rows} == {700.0}
+    assert all(r["roofline_clock_us"] == r["roofline_us"] for r in rows)
+
+
 def test_layer_pipeline(cpu_bench, tmp_path):
     with pytest.warns(RuntimeWarning, match="on the CPU the layer runs 'sequential'"):   # the dual_stream rows
         assert cli.main(["layer", "--presets", "tiny", "--tokens", "3", "--ranks", "8", "--dtype", "float32",
@@ -94,6 +105,7 @@ def test_layer_pipeline(cpu_bench, tmp_path):
     assert ran["no_lora"] == ""
     assert {r["side_priority"] for r in rows if r["schedule"] != "dual_stream"} == {""}   # CPU: no side stream
     assert all(r["roofline_us"] >= r["floor_us"] > 0 for r in rows) and (tmp_path / "layer_tiny.png").exists()
+    assert {(r["matmul_sm_mhz"], r["matmul_tflops_at_clock"], r["roofline_clock_us"]) for r in rows} == {("", "", "")}
     assert not (tmp_path / "layer_traces.json").exists()      # timelines need CUDA events: none on the CPU
     assert not list(tmp_path.glob("*.trace.json"))
 

@@ -75,3 +75,9 @@ def test_nvidia_smi_reader_asks_the_visible_gpu_and_parses_its_answer(monkeypatc
 
     monkeypatch.setattr(gpu_state.subprocess, "run", lambda command, **kw: Done("[N/A], [N/A], 40\n"))
     assert gpu_state._smi_reader() is None                   # a GPU that reports no clock: no reader
+
+
+def test_rate_at_clock_follows_the_sm_clock_and_stays_blank_without_one():
+    from moelora_lab.profile.gpu_state import rate_at_clock
+    assert rate_at_clock(800e12, 1980, 1485) == pytest.approx(600e12)
+    assert rate_at_clock(800e12, "", 1500) == rate_at_clock(800e12, 1500, "") == rate_at_clock(1.0, 0, 1) == ""

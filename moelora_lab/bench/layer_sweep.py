@@ -48,7 +48,7 @@ from ..layer.plan import _streams_run
 from ..layer.table import AUTO, SCHEDULES
 from ..base_moe import gemm_tiles, moe_gemm
 from ..profile import timing
-from ..profile.gpu_state import GpuMonitor
+from ..profile.gpu_state import GpuMonitor, rate_at_clock
 from ..profile.timeline import capture_timeline, overlap_metrics, recorded_lora_path, save_traces
 from ..profile.trace_events import export_trace_files
 from ..profile.traffic import count_workload, layer_traffic
@@ -167,7 +167,10 @@ def run_layer(args) -> tuple[list[dict], dict]:
             print(f"--base fp8: skipping {name}: {fp8_refusal(name)}", file=sys.stderr)
         variants = [v for v in variants if not fp8_refusal(v)]
     prov = timing.provenance(args.command)
-    copy_bps, flops_per_s = timing.copy_bandwidth(), matmul_ceiling(dtype, fp8)
+    copy_bps = timing.copy_bandwidth()
+    with GpuMonitor(interval_s=0.02) as at_ceiling:   # the clock the ceiling was measured at
+        flops_per_s = matmul_ceiling(dtype, fp8)
+    ceiling_mhz = at_ceiling.summary()["sm_mhz_mean"]
     gen = seeded_generator(args.seed)
     rows, traces = [], {}
     cases = [(p, r, m) for p in args.presets for r in args.ranks for m in args.tokens]
@@ -250,6 +253,7 @@ def run_layer(args) -> tuple[list[dict], dict]:
                                            join="vllm" if name in VLLM_OF else "fold", quantized=fp8)
             path = recorded_lora_path(ran, (plan_of.get(name) or plan_of.get(asks) or plan_l).lora_path)
             two = streams_run and ran in SCHEDULES and SCHEDULES[ran].streams > 1     # a side stream really ran
+            clocked = rate_at_clock(flops_per_s, ceiling_mhz, state.summary()["sm_mhz_mean"])   # at this case's clock
             rows.append(dict(preset=preset, M=M, rank=rank, loras=L, base=base_name, variant=name, schedule=ran,
                              lora_path=path,
                              side_priority=args.side_priority if two else "",
@@ -257,6 +261,10 @@ def run_layer(args) -> tuple[list[dict], dict]:
                              floor_us=round(floor.floor_us(copy_bps), 2),
                              roofline_us=round(max(floor.floor_us(copy_bps), floor.flops / flops_per_s * 1e6), 2),
                              copy_tbps=round(copy_bps / 1e12, 4), matmul_tflops=round(flops_per_s / 1e12, 1),
+                             matmul_sm_mhz=ceiling_mhz,
+                             matmul_tflops_at_clock=clocked and round(clocked / 1e12, 1),
+                             roofline_clock_us=clocked and round(max(floor.floor_us(copy_bps),
+                                                                     floor.flops / clocked * 1e6), 2),
                              error=error, **state.summary(), **prov))
         if M in args.trace_tokens and rank in args.trace_ranks:
             for sched in (s for s in TRACED if _fits(s, L, rank) and not (fp8 and fp8_refusal(s))):

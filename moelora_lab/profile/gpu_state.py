@@ -105,3 +105,11 @@ class GpuMonitor:
         sm, watts, temp = zip(*self.samples)
         return dict(sm_mhz_min=round(min(sm)), sm_mhz_mean=round(mean(sm)), power_w_mean=round(mean(watts), 1),
                     power_w_max=round(max(watts), 1), temp_c_max=round(max(temp)))
+
+
+def rate_at_clock(rate: float, measured_mhz, at_mhz):
+    """A compute rate measured at ``measured_mhz`` scaled to ``at_mhz`` (tensor-core throughput follows the SM
+    clock): the ceiling a case had at the clock it ran at. Blank (``""``) where either clock was not read."""
+    if measured_mhz in ("", None) or at_mhz in ("", None) or float(measured_mhz) <= 0:
+        return ""
+    return rate * float(at_mhz) / float(measured_mhz)
