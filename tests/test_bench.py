@@ -83,8 +83,11 @@ def test_layer_ceiling_at_each_cases_clock(cpu_bench, tmp_path, monkeypatch):
     from moelora_lab.profile import gpu_state
     monkeypatch.setattr(gpu_state, "default_reader", lambda: lambda: (1500.0, 400.0, 50.0))
     assert cli.main(["layer", "--presets", "tiny", "--tokens", "3", "--ranks", "8", "--dtype", "float32",
-                     "--variants", "no_lora", "sequential", "--trace-tokens", "0", "--out", str(tmp_path)]) == 0
+                     "--variants", "no_lora", "sequential", "in_k_act", "--trace-tokens", "0",
+                     "--out", str(tmp_path)]) == 0
     rows = read_csv(tmp_path / "layer.csv")
+    ran = ["no_lora", "sequential", "in_k_act"]
+    assert [r["variant"] for r in rows] == [r["schedule"] or "no_lora" for r in rows] == ran
     assert {r["matmul_sm_mhz"] for r in rows} == {1500} and {r["matmul_tflops_at_clock"] for r in rows} == {700.0}
     assert all(r["roofline_clock_us"] == r["roofline_us"] for r in rows)
 
@@ -256,7 +259,8 @@ def test_every_subcommand_parses_its_defaults():
         args = cli.parse_args([what])
         assert args.what == module.NAME == what and args.command == f"python -m moelora_lab.bench {what}"
         assert args.out == common.DEFAULT_OUT and callable(module.run)
-    assert cli.parse_args(["layer"]).variants == [v for v in layer_sweep.VARIANTS if v not in ("dual_stream_side", "in_join")]
+    assert cli.parse_args(["layer"]).variants == [v for v in layer_sweep.VARIANTS if v not in layer_sweep.BY_NAME]
+    assert {"dual_stream_side", "in_join", "in_k_act"} <= set(layer_sweep.BY_NAME)       # asked for by name
     assert cli.parse_args(["layer", "--variants", "plan", "no_lora"]).variants == ["plan", "no_lora"]
     with pytest.raises(SystemExit):
         cli.parse_args(["layer", "--variants", "no_such_variant"])

@@ -50,8 +50,8 @@ def problem(device, dtype=torch.float32, M=9, seed=3):
 
 
 def layer(kw, schedule, join="fold", **extra):
-    """moe_lora_layer with ``schedule``; in_k and auto get the weights packed for LoRA in K."""
-    if schedule in ("in_k", "auto") and kw.get("w13_lora_b") is not None:
+    """moe_lora_layer with ``schedule``; the rows that need a pack and auto get the weights packed for LoRA in K."""
+    if (schedule == "auto" or ml.layer.SCHEDULES[schedule].needs_pack) and kw.get("w13_lora_b") is not None:
         pack = ml.pack_in_k(kw["w13"], kw["w2"], kw["w13_lora_b"], kw["w2_lora_b"])
         kw = dict(kw, w13=pack.w13, w2=pack.w2)
         extra["in_k"] = pack

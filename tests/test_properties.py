@@ -151,7 +151,7 @@ def test_every_layer_schedule_matches_the_spec(device, schedule, join, data):
         inputs = strided_inputs(inputs, views)
         lora_ranks = None if lora_ranks is None else strided(lora_ranks, views)
     extra = {}
-    if schedule in ("in_k", "auto"):
+    if schedule == AUTO or get_schedule(schedule).needs_pack:
         pack = ml.pack_in_k(inputs["w13"], inputs["w2"], inputs["w13_lora_b"], inputs["w2_lora_b"])
         extra = dict(in_k=pack, w13=pack.w13, w2=pack.w2)
     call = inputs | extra | dict(schedule=schedule, join=join, lora_ranks=lora_ranks)

@@ -98,7 +98,7 @@ def test_in_k_stage_model():
     from moelora_lab.config import MoEShape
     from moelora_lab.profile.traffic import layer_traffic
 
-    [in_k] = [n for n, row in SCHEDULES.items() if row.needs_pack]
+    [in_k] = [n for n, row in SCHEDULES.items() if row.needs_pack and row.status == "product"]
     [epilogue] = [n for n, row in SCHEDULES.items() if row.max_columns and not row.gemm_lora_tiles]
     shape = MoEShape.from_name(META["preset"])
     M, r, L = META["M"], META["rank"], META["loras"]

@@ -10,10 +10,10 @@ them), which of the call's arguments it honours (``joins``, ``lora_paths``) and 
 ``schedule="auto"``, the README's schedule table, the benchmarks, the plots, the trace export and the
 stage model all read this table; no other module spells a schedule's name.
 
-Status: ``product`` rows are what ``auto`` may run; ``experiment`` rows were measured and lost (their
-code lives in ``moelora_lab.experiments``, which no product module imports: the row names the runner
-by its import path and the face imports it on first use). Adding a schedule: write its runner, add
-its row (CONTRIBUTING.md walks through it).
+Status: ``product`` rows are what ``auto`` may run; ``experiment`` rows were measured and lost or wait to
+be measured (the data README says which). Their code lives in ``moelora_lab.experiments``, which no
+product module imports: the row names the runner by its import path and the face imports it on first
+use. Adding a schedule: write its runner, add its row (CONTRIBUTING.md walks through it).
 """
 from __future__ import annotations
 
@@ -206,6 +206,13 @@ SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
              "the LoRA inside the activation and the top-k sum (w13's shrink the only LoRA launch)",
              lora_paths=("two_kernel",), lora_inside="the activation and the top-k sum", plan_path="two_kernel",
              style=dict(color="#bcbd22", marker="X", label="LoRA inside the joins")),
+    Schedule("in_k_act", "moelora_lab.experiments.in_k_act:run", "experiment", 1,
+             (("shrink_w13", "main"), ("w13+lora+act", "main"), ("shrink_w2", "main"), ("w2+lora", "main"),
+              ("sum", "main")),
+             "`in_k` with the activation in the w13 GEMM's epilogue (its output never goes through memory)",
+             lora_inside="the grouped GEMMs' K", needs_pack=True,
+             fp8_refusal="its pack widens W with every slot's LoRA B columns, which FP8 weights cannot hold",
+             style=dict(color="#9467bd", marker="*", label="LoRA in K, activation in the GEMM")),
 )}
 
 

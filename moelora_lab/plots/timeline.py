@@ -8,7 +8,8 @@ the number of streams a run used is given, not read from the records.
 from __future__ import annotations
 
 STAGE_COLORS = {"base_w13": "#1f77b4", "base_w2": "#17becf", "act": "#7f7f7f", "sum": "#bcbd22",
-                "lora_w13": "#d62728", "lora_w2": "#ff7f0e", "w13+lora": "#8c564b", "w2+lora": "#e377c2"}
+                "lora_w13": "#d62728", "lora_w2": "#ff7f0e", "w13+lora": "#8c564b", "w2+lora": "#e377c2",
+                "w13+lora+act": "#aec7e8"}
 LANES = ("main", "lora")
 LANE_LABELS = {1: ("one stream",), 2: ("main stream (base)", "side stream (LoRA)")}
 FONT = 9                                    # points: the smallest text of a timeline

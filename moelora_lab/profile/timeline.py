@@ -30,6 +30,7 @@ MODEL_KEYS = ("preset", "M", "rank", "loras", "schedule", "lora_path")
 # the kind of every stage a row of ``layer.SCHEDULES`` records (a test keeps it covering them all)
 STAGE_KINDS = {"base_w13": "base_gemm", "base_w2": "base_gemm", "lora_w13": "lora", "lora_w2": "lora",
                "act": "join", "sum": "join", "w13+lora": "fused_gemm", "w2+lora": "fused_gemm",
+               "w13+lora+act": "fused_gemm",
                "shrink_w13": "lora", "shrink_w2": "lora", "act+lora": "join", "sum+lora": "join"}
 LORA_KERNELS = {"one_shot": "one_shot_kernel", "two_kernel": "shrink_kernel, expand_kernel",
                 "small_batch": "small_batch_kernel"}
@@ -191,7 +192,8 @@ def stage_model(meta: dict, *, sms: int = H200_SMS) -> dict[str, dict]:
     shrink's bytes (x rows, A, T written), w13+lora / w2+lora the base GEMM's plus B and T read. With the
     LoRA in the GEMMs' K (``in_k``) the shrinks write T of every pair, L*r columns (zeros outside its
     adapter's r), and each GEMM reads its base weights plus the packed B columns of every slot of every
-    touched expert and that T tail. A row whose stages the byte model lacks raises ValueError.
+    touched expert and that T tail; with the activation in w13's GEMM (``in_k_act``) that GEMM reads as
+    ``in_k``'s and writes h, not c1. A row whose stages the byte model lacks raises ValueError.
     tiles: ``gpu_gemm_tiles(P / E)`` for the base GEMMs (``lora=True`` and BLOCK_LR for the fused ones,
     BLOCK_LR for the epilogue's); for the LoRA ops the ``KernelConfig`` of ``gpu_config(path, P, groups,
     N, S, sms, rank=r)`` (w13: N = I, S = 2; w2: N = H, S = 1; ``side_stream`` for a row on two streams)
@@ -247,6 +249,12 @@ def stage_model(meta: dict, *, sms: int = H200_SMS) -> dict[str, dict]:
         if row.needs_pack:
             kernels.update(shrink_w13="shrink_tail_kernel", shrink_w2="shrink_tail_kernel",
                            fused_gemm="moe_gemm_kernel (K widened by L*r)")
+            # the activation in the w13 GEMM's epilogue: its reads, then h written (c1 neither written nor read)
+            g, a, h = traffic["w13+lora"], traffic["act"], P * I * 2
+            traffic["w13+lora+act"] = Traffic(g.bytes_read, h, g.flops + a.flops, 1,
+                                              (("gemm_read", g.bytes_read), ("h_write", h)))
+            tiles["w13+lora+act"] = dict(gemm, BLOCK_N=max(16, gemm["BLOCK_N"] // 2))
+            kernels["w13+lora+act"] = "gemm_act_kernel (K widened by L*r)"
     elif row is None or row.lora_paths is None:
         traffic = layer_traffic(shape, r, work, lora_path=path)
         groups = P if path == "small_batch" else min(P, L * E)
