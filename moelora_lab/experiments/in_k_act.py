@@ -21,9 +21,8 @@ import triton
 
 from ..base_moe import _check_tail, block_tiles, launch_tiles
 from ..blocks import BlockList
-from ..layer.in_k import W13_ONE_READ, w2_and_sum
+from ..layer.in_k import shrink_w13, w2_and_sum
 from ..layer.in_k_launch import shrink_tail
-from ..layer.streams import Streams
 from ..layer.table import LayerCall
 from .kernels.gemm_act import gemm_act_kernel
 
@@ -55,17 +54,13 @@ def gemm_act(x: torch.Tensor, w: torch.Tensor, blocks: BlockList, h: torch.Tenso
 def run(call: LayerCall) -> torch.Tensor:
     """y [M, H]: w13's shrink into its tail, the w13 GEMM with the activation into h_ext, then ``in_k``'s w2 half."""
     M, k, E, H, I, L, r = call.dims
-    P = M * k
-    plan, lora_ranks = call.plan, call.lora_ranks
-    x = call.x.contiguous()
-    w13_lora_a, _, w2_lora_a, _ = call.lora
-    streams = Streams(False, x.device, call.tracer)
-    t13, h_ext = x.new_empty(2, P, L * r), x.new_empty(P, I + L * r)
-    with streams.stage("shrink_w13", "main"):
-        shrink_tail(x, w13_lora_a, plan, call.token_lora32, k, t13, I, r, lora_ranks, token_rows=True,
-                    one_read=W13_ONE_READ)
+    w2_lora_a = call.lora[2]
+    x, t13, streams = shrink_w13(call)
+    h_ext = x.new_empty(M * k, I + L * r)
     with streams.stage("w13+lora+act", "main"):
-        gemm_act(x, call.in_k.w13_ext, plan.base_blocks, h_ext[:, :I], top_k=k, tiles=plan.tiles, x_tail=t13)
+        gemm_act(x, call.in_k.w13_ext, call.plan.base_blocks, h_ext[:, :I], top_k=k, tiles=call.plan.tiles,
+                 x_tail=t13)
     with streams.stage("shrink_w2", "main"):
-        shrink_tail(h_ext, [w2_lora_a[0]], plan, call.token_lora32, k, h_ext[:, I:].unsqueeze(0), H, r, lora_ranks)
-    return w2_and_sum(h_ext, call.in_k.w2_ext, plan, call.token_lora32, call.weights, streams, M, k, H)
+        shrink_tail(h_ext, [w2_lora_a[0]], call.plan, call.token_lora32, k, h_ext[:, I:].unsqueeze(0), H, r,
+                    call.lora_ranks)
+    return w2_and_sum(h_ext, call.in_k.w2_ext, call.plan, call.token_lora32, call.weights, streams, M, k, H)

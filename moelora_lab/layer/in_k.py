@@ -96,20 +96,28 @@ def in_k_call(x, topk_ids, topk_weights, token_lora, w13_ext, w2_ext, w13_lora_a
 def run(call: LayerCall) -> torch.Tensor:
     """y [M, H] of the ``in_k`` schedule: each op's shrink into its GEMM's tail columns, then the GEMM."""
     M, k, E, H, I, L, r = call.dims
-    P = M * k
-    plan, lora_ranks = call.plan, call.lora_ranks
-    x = call.x.contiguous()
-    w13_lora_a, _, w2_lora_a, _ = call.lora
-    streams = Streams(False, x.device, call.tracer)
-    t13 = x.new_empty(2, P, L * r)
-    c1, h_ext = x.new_empty(P, 2 * I), x.new_empty(P, I + L * r)
-    with streams.stage("shrink_w13", "main"):
-        _shrink_tail(x, w13_lora_a, plan, call.token_lora32, k, t13, I, r, lora_ranks, token_rows=True,
-                     one_read=W13_ONE_READ)
+    w2_lora_a = call.lora[2]
+    x, t13, streams = shrink_w13(call)
+    c1, h_ext = x.new_empty(M * k, 2 * I), x.new_empty(M * k, I + L * r)
     with streams.stage("w13+lora", "main"):
-        moe_gemm(x, call.in_k.w13_ext, plan.base_blocks, c1, top_k=k, tiles=plan.tiles, x_tail=t13)
-    act_and_shrink(c1, None, h_ext, w2_lora_a[0], plan, call.token_lora32, streams, k, H, I, r, lora_ranks)
-    return w2_and_sum(h_ext, call.in_k.w2_ext, plan, call.token_lora32, call.weights, streams, M, k, H)
+        moe_gemm(x, call.in_k.w13_ext, call.plan.base_blocks, c1, top_k=k, tiles=call.plan.tiles, x_tail=t13)
+    act_and_shrink(c1, None, h_ext, w2_lora_a[0], call.plan, call.token_lora32, streams, k, H, I, r,
+                   call.lora_ranks)
+    return w2_and_sum(h_ext, call.in_k.w2_ext, call.plan, call.token_lora32, call.weights, streams, M, k, H)
+
+
+def shrink_w13(call: LayerCall):
+    """Where the runners of the LoRA in K start: (x contiguous, t13 [2, P, L*r] holding w13's shrink of every
+    pair in its adapter's columns, the one-stream ``Streams`` its stage was recorded on)."""
+    M, k, E, H, I, L, r = call.dims
+    w13_lora_a = call.lora[0]
+    x = call.x.contiguous()
+    streams = Streams(False, x.device, call.tracer)
+    t13 = x.new_empty(2, M * k, L * r)
+    with streams.stage("shrink_w13", "main"):
+        _shrink_tail(x, w13_lora_a, call.plan, call.token_lora32, k, t13, I, r, call.lora_ranks, token_rows=True,
+                     one_read=W13_ONE_READ)
+    return x, t13, streams
 
 
 def act_and_shrink(c1, delta, h_ext, a2, plan, token_lora32, streams, k: int, H: int, I: int, r: int,
