@@ -13,7 +13,7 @@ from moelora_lab.dist import ExpertPartition, run_local, shard_tp
 from moelora_lab.layer import SCHEDULES, gpu_schedule, moe_lora_layer, pack_in_k, resolve_schedule
 from moelora_lab.layer.plan import IN_K_MIN_PAIRS_PER_EXPERT
 from moelora_lab.quant import FP8Weight, base_gemm, moe_layer_reference_fp8, quantize_experts
-from utils import TOL
+from utils import TOL, poisoned
 
 SMALL = ml.MoEShape(64, 32, 4, 2, "fp8-small")          # H, I multiples of 32: block scales of 32 fit
 WIDE = ml.MoEShape(256, 128, 4, 2, "fp8-wide")          # the checkpoints' (128, 128) blocks, two along H
@@ -107,8 +107,8 @@ def test_base_gemm_dispatches_on_the_weight(device):
     plan = ml.plan_layer(inputs["topk_ids"], inputs["token_lora"], 4, None, None)
     P, x = inputs["topk_ids"].numel(), inputs["x"]
     w = q.w13.dequantize()
-    fp8 = base_gemm(x, q.w13, plan.base_blocks, torch.full((P, 64), float("nan")), top_k=2, tiles=plan.tiles)
-    plain = base_gemm(x, w, plan.base_blocks, torch.full((P, 64), float("nan")), top_k=2, tiles=plan.tiles)
+    fp8 = base_gemm(x, q.w13, plan.base_blocks, poisoned((P, 64), x.dtype, device), top_k=2, tiles=plan.tiles)
+    plain = base_gemm(x, w, plan.base_blocks, poisoned((P, 64), x.dtype, device), top_k=2, tiles=plan.tiles)
     want = ml.quant.quantize_dequantize_activation(x).repeat_interleave(2, 0)
     want = torch.stack([w[e] @ row for e, row in zip(inputs["topk_ids"].reshape(-1).tolist(), want)])
     torch.testing.assert_close(fp8, want, rtol=1e-5, atol=1e-5)
@@ -148,8 +148,8 @@ def test_auto_never_picks_in_k_for_a_quantized_base():
 
 
 @pytest.mark.parametrize("what", ["x", "lora"])
-def test_a_backward_through_a_quantized_base_is_refused(what):
-    inputs, _ = problem("cpu", seed=9)
+def test_a_backward_through_a_quantized_base_is_refused(device, what):
+    inputs, _ = problem(device, seed=9)
     y0 = layer(inputs)
     leaf = inputs["x"] if what == "x" else inputs["w2_lora_b"][0]
     leaf.requires_grad_(True)
