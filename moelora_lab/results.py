@@ -28,6 +28,7 @@ from pathlib import Path
 DATA_SCHEMA = 3
 DATA_DIR = Path(__file__).parent / "data" / "h200"
 HISTORY_DIR = DATA_DIR.parent / "history"   # earlier runs kept for a before/after comparison (older rules)
+GPU_DIRS = (DATA_DIR, DATA_DIR.parent / "h100")   # the one-GPU data sets, the H200's first (``load_first``)
 REGENERATE = "bash scripts/gpu_data.sh"     # on a CUDA machine, from the repository root
 _FINGERPRINT_SMS = 132                      # the rules are fingerprinted for an H200's SM count
 # Tile walks: files that time a fixed set of tiles around the rule of their day. Whoever reads one
@@ -162,6 +163,17 @@ def load(name: str, data_dir=None, *, accept_older_rules: bool = False) -> list[
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing; regenerate the data on a CUDA GPU with `{REGENERATE}`")
     return check_current(read_csv(path), path.name, accept_older_rules=accept_older_rules)
+
+
+def load_first(name: str, *, accept_older_rules: bool = False) -> list[dict]:
+    """The committed rows of ``<name>.csv`` from the first folder of :data:`GPU_DIRS` that holds it (the H200's,
+    else another GPU's: ``label`` names the GPU), checked as :func:`load` checks them; FileNotFoundError where
+    none does."""
+    for folder in GPU_DIRS:
+        if (folder / f"{name}.csv").exists():
+            return load(name, folder, accept_older_rules=accept_older_rules)
+    raise FileNotFoundError(f"{name}.csv is in none of {', '.join(d.name for d in GPU_DIRS)}; regenerate the data on "
+                            f"a CUDA GPU with `{REGENERATE}`")
 
 
 def load_traces(name: str = "layer_traces", data_dir=None) -> dict:

@@ -120,3 +120,29 @@ def test_train_time_lines():
     lines = train_time_lines(rows)
     assert lines[1].split() == ["16", "512", "1.50", "6.00", "0.25", "100", "900"]
     assert lines[2].split() == ["64", "512", "2.00", "-", "-", "-", "-"]           # a failed row is no data
+
+
+def test_grad_reading_names_where_auto_missed():
+    from moelora_lab.plots.training import grad_reading
+    rows = [dict(op="w13", rank=16, M=m, path=p, ran=r, us_median=t)
+            for m, cases in ((128, (("two_kernel", "two_kernel", 50.0), ("one_shot", "one_shot", 40.0),
+                                    ("auto", "one_shot", 41.0))),
+                             (8192, (("two_kernel", "two_kernel", 100.0), ("one_shot", "one_shot", 150.0),
+                                     ("auto", "one_shot", 151.0))))
+            for p, r, t in cases]
+    assert grad_reading(rows) == "auto ran the fastest path in 1 of 2 cases: w13 r 16 M 8192: one_shot for " \
+                                 "two_kernel, 1.51x its time"
+    assert grad_reading(rows[:3]) == "auto ran the fastest path in 1 of 1 cases"
+    assert grad_reading(rows[:2]) == "no case times auto beside the paths"
+
+
+def test_train_reading_gives_the_ranges():
+    from moelora_lab.plots.training import train_reading
+    rows = [dict(rank=16, M=512, variant="lab_lora", us_median=1500.0, peak_mib=100.0, error=""),
+            dict(rank=16, M=512, variant="hf_peft", us_median=6000.0, peak_mib=1000.0, error=""),
+            dict(rank=16, M=2048, variant="lab_lora", us_median=3000.0, peak_mib=300.0, error=""),
+            dict(rank=16, M=2048, variant="hf_peft", us_median=6000.0, peak_mib=1000.0, error=""),
+            dict(rank=64, M=512, variant="hf_peft", us_median=1.0, peak_mib=1.0, error="RuntimeError: boom")]
+    assert train_reading(rows) == ("over 2 cases the lab's step takes 0.25-0.50x HF + PEFT's time and 0.10-0.30x its "
+                                   "peak memory")
+    assert train_reading(rows[-1:]) == "no case has both the lab's step with LoRA and HF + PEFT's"

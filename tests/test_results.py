@@ -196,3 +196,32 @@ def test_the_house_move_left_the_layer_as_fast_as_before():
         before, after = pair["d42157a"], pair["44ce2cf"]
         assert (before["schedule"], before["lora_path"]) == (after["schedule"], after["lora_path"]), key
         assert float(after["us_median"]) <= 1.03 * float(before["us_median"]), key
+
+
+def test_load_first_takes_the_first_gpu_folder_that_has_the_file(tmp_path, monkeypatch):
+    first, second = tmp_path / "h200", tmp_path / "h100"
+    results.write_csv(rows(gpu="B"), second / "x.csv")
+    monkeypatch.setattr(results, "GPU_DIRS", (first, second))
+    assert results.load_first("x")[0]["gpu"] == "B"
+    results.write_csv(rows(gpu="A"), first / "x.csv")
+    assert results.load_first("x")[0]["gpu"] == "A"
+    with pytest.raises(FileNotFoundError, match="y.csv is in none of h200, h100"):
+        results.load_first("y")
+
+
+def test_h100_readme_quotes_its_files_and_its_suite():
+    """data/h100/README.md names every file there, quotes the suite log's counts and code, and names the file of
+    every test that failed in it."""
+    import re
+    folder = results.DATA_DIR.parent / "h100"
+    text = " ".join((folder / "README.md").read_text().split())
+    for path in folder.iterdir():
+        assert path.name == "README.md" or f"`{path.name}`" in text, path.name
+    log = (folder / "gpu_tests.log").read_text()
+    code = re.match(r"# [^;]+; [^;]+; code (\w+);", log).group(1)
+    failed, passed, skipped = re.search(r"(\d+) failed, (\d+) passed, (\d+) skipped in", log).groups()
+    assert f"at code {code}" in text and f"{passed} passed, {failed} failed, {skipped} skipped" in text
+    for test_file in set(re.findall(r"^FAILED (tests/[\w/]+\.py)::", log, re.M)):
+        assert f"`{test_file}" in text, test_file
+    for name in ("train", "grad"):
+        assert results.load(name, folder)                                   # current code, current schema

@@ -203,3 +203,38 @@ def train_time_lines(rows) -> list[str]:
         ratio = f"{lab['us_median'] / hf['us_median']:.2f}" if lab and hf else "-"
         lines.append(f"{rank:3d} {m:6d} {ms(lab):>9s} {ms(hf):>11s} {ratio:>9s} {mib(lab):>9s} {mib(hf):>9s}")
     return lines
+
+
+def grad_reading(rows) -> str:
+    """What ``bench grad``'s rows say of ``auto``'s pick, as a sentence: in how many (op, r, M) cases it ran the
+    fastest of the paths timed beside it, and where it did not, how much longer it took than the fastest."""
+    by: dict = {}
+    for r in rows:
+        by.setdefault((r["op"], r["rank"], r["M"]), {})[r["path"]] = r
+    missed = []
+    cases = [(key, v) for key, v in sorted(by.items()) if "auto" in v and len(v) > 1]
+    for (op, rank, m), v in cases:
+        best = min((p for p in v if p != "auto"), key=lambda p: v[p]["us_median"])
+        if v["auto"]["ran"] != best:
+            missed.append(f"{op} r {rank} M {m}: {v['auto']['ran']} for {best}, "
+                          f"{v['auto']['us_median'] / v[best]['us_median']:.2f}x its time")
+    if not cases:
+        return "no case times auto beside the paths"
+    head = f"auto ran the fastest path in {len(cases) - len(missed)} of {len(cases)} cases"
+    return head + (": " + "; ".join(missed) if missed else "")
+
+
+def train_reading(rows) -> str:
+    """What ``bench train``'s rows say of the lab's training step with LoRA against HF + PEFT's, as a sentence:
+    the range of its time and of its peak memory as a fraction of theirs, over the cases where both ran."""
+    by: dict = {}
+    for r in rows:
+        if not r.get("error"):
+            by.setdefault((r["rank"], r["M"]), {})[r["variant"]] = r
+    pairs = [(v["lab_lora"], v["hf_peft"]) for v in by.values() if "lab_lora" in v and "hf_peft" in v]
+    if not pairs:
+        return "no case has both the lab's step with LoRA and HF + PEFT's"
+    time = [lab["us_median"] / hf["us_median"] for lab, hf in pairs]
+    mem = [lab["peak_mib"] / hf["peak_mib"] for lab, hf in pairs if lab.get("peak_mib") and hf.get("peak_mib")]
+    out = f"over {len(pairs)} cases the lab's step takes {min(time):.2f}-{max(time):.2f}x HF + PEFT's time"
+    return out + (f" and {min(mem):.2f}-{max(mem):.2f}x its peak memory" if mem else "")
