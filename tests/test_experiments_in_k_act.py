@@ -49,7 +49,10 @@ def test_gemm_act_reads_each_halfs_tail(device):
     w[:, :, at:] = torch.randn(E, 2 * I, C, generator=torch.Generator().manual_seed(2)).to(device)
     tail = torch.randn(2, M * k, C, generator=torch.Generator().manual_seed(3)).to(device)
     blocks = make_blocks(p.topk_ids, None, E, 1, 16)
-    got = gemm_act(p.x, w, blocks, poisoned((M * k, I), torch.float32, device), top_k=k, tiles=tiles, x_tail=tail)
+    x = torch.full((M, at + 16), float("nan"), device=device)   # NaN right past x's columns: none may be read
+    x[:, :H] = p.x
+    x = x[:, :H]
+    got = gemm_act(x, w, blocks, poisoned((M * k, I), torch.float32, device), top_k=k, tiles=tiles, x_tail=tail)
     assert torch.equal(got, two_kernels(p.x, w, blocks, k, tiles, x_tail=tail))
     swapped = two_kernels(p.x, w, blocks, k, tiles, x_tail=tail.flip(0).contiguous())
     assert not torch.allclose(got, swapped)                 # the slices' tails are not interchangeable
@@ -75,3 +78,18 @@ def test_in_k_act_equals_in_k_bit_for_bit(device):
         kw = dict(kw, w13=pack.w13, w2=pack.w2, in_k=pack)
         [in_k] = [n for n, row in SCHEDULES.items() if row.needs_pack and row.status == "product"]
         assert torch.equal(moe_lora_layer(**kw, schedule=ROW), moe_lora_layer(**kw, schedule=in_k)), dtype
+
+
+def test_gemm_act_runs_every_tile_of_the_gpu_rule(device):
+    """The base GEMM's GPU tiles, small to the largest (on a GPU in fp16, which they are made for; on the CPU the
+    interpreter runs the same sizes in fp32), W by TMA where the rule says so: bit for bit the two launches."""
+    from moelora_lab.base_moe import gpu_gemm_tiles
+    dtype = torch.float16 if device == "cuda" else torch.float32
+    p = case(device, dtype, 29, 8, seed=12)
+    M, k = p.topk_ids.shape
+    for per_expert in (1, 24, 64, 512):
+        tiles = gpu_gemm_tiles(per_expert)
+        blocks = make_blocks(p.topk_ids, None, SHAPE.num_experts, 1, tiles["BLOCK_M"])
+        h = poisoned((M * k, SHAPE.intermediate), dtype, device)
+        got = gemm_act(p.x, p.w13, blocks, h, top_k=k, tiles=tiles)
+        assert torch.equal(got, two_kernels(p.x, p.w13, blocks, k, tiles)), tiles

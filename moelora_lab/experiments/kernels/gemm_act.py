@@ -34,7 +34,7 @@ def gemm_act_kernel(
     block_expert_ptr,  # [B] int32 expert of each block, -1 = unused
     # sizes
     num_pairs, top_k, K, I, num_blocks,
-    x_cols,            # x's columns (<= tail_at)
+    x_cols,            # x's columns (<= tail_at; the K steps from x_cols to tail_at multiply zeros and are skipped)
     tail_at,           # the K step where the tail starts (a multiple of BK; K without X_TAIL)
     tail_off,          # X_TAIL: the tail T [2, P, K - tail_at] as an element offset from x_ptr (unit column stride)
     # strides
@@ -82,7 +82,9 @@ def _act_tile(start, expert, n0, x_ptr, w_ptr, w_desc, h_ptr, sorted_pairs_ptr, 
     x_base = x_ptr + x_rows.to(tl.int64)[:, None] * stride_xm                                 # [BM, 1]
     acc_g = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, tail_at, BLOCK_K):             # x's columns: one x tile feeds both halves
+    # x's own columns (W's columns from x_cols to tail_at are the pack's zeros: skipped, and x is never read
+    # past its columns): one x tile feeds both halves
+    for k0 in range(0, x_cols, BLOCK_K):
         ks = k0 + offs_k
         if EVEN_X:
             xk = tl.load(x_base + ks[None, :] * stride_xk, mask=valid[:, None], other=0.0)
@@ -93,8 +95,9 @@ def _act_tile(start, expert, n0, x_ptr, w_ptr, w_desc, h_ptr, sorted_pairs_ptr, 
         acc_g = tl.dot(xk, wg, acc_g, input_precision=DOT_PRECISION)                        # [BM, BK] @ [BK, BN]
         acc_u = tl.dot(xk, wu, acc_u, input_precision=DOT_PRECISION)
     if X_TAIL:                                        # the tail's columns: each half reads its slice's row
-        t_gate = x_ptr + tail_off + pairs.to(tl.int64)[:, None] * stride_tp                  # [BM, 1]
-        t_up = t_gate + stride_ts
+        t_off = tail_off + pairs.to(tl.int64) * stride_tp        # [BM] element offsets from x_ptr, in int64
+        t_gate = x_ptr + t_off[:, None]                                                      # [BM, 1]
+        t_up = x_ptr + (t_off + stride_ts)[:, None]
         for k0 in range(tail_at, K, BLOCK_K):
             ks = k0 + offs_k
             cols = ks - tail_at
